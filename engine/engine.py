@@ -1,0 +1,299 @@
+"""The engine: load a model once, hold sessions, and generate / stream with live settings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+from .errors import EngineError, ModelLoadError
+from .loader import DTYPES, load_weights
+from .model import Model
+from .settings import MAX_DRAFT_DEPTH, EngineSettings
+from .spec import prefill, run_round
+from .state import Session, SessionState
+from .stats import RoundEvent, RunStats
+from .tokenizer import Tokenizer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def bundled_model_dir() -> Path:
+    """The small model shipped in assets/models (the first directory there with a config.json)."""
+    models = ASSETS / "models"
+    for candidate in sorted(models.glob("*/config.json")) if models.is_dir() else []:
+        return candidate.parent
+    raise ModelLoadError(f"{models}: no bundled model found; pass a model directory (--model DIR)")
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    text: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def _parse_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EngineError(f"device {device!r} is not valid; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineError(f"device {device!r} asked for, but CUDA is not available here; use device='cpu'")
+        index = dev.index or 0
+        if index >= torch.cuda.device_count():
+            raise EngineError(
+                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) found"
+            )
+        dev = torch.device("cuda", index)
+    elif dev.type != "cpu":
+        raise EngineError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+class Engine:
+    """A loaded model. Use `Engine.load(...)`; the rest of this class is the public API."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer, model_dir: Path, max_context: int) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.max_context = max_context
+        self.n_planes = MAX_DRAFT_DEPTH + 2
+        self._default_session: Session | None = None
+
+    # ---- loading --------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_context: int = 4096,
+    ) -> Engine:
+        path = bundled_model_dir() if model_dir is None else Path(model_dir).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"{path}: model directory does not exist")
+        if not path.is_dir():
+            raise ModelLoadError(f"{path}: not a directory; pass a Hugging Face model directory")
+        if not any(path.iterdir()):
+            raise ModelLoadError(f"{path}: directory is empty; it needs config.json, *.safetensors, tokenizer.json")
+        if dtype not in DTYPES:
+            raise EngineError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if not isinstance(max_context, int) or max_context < 16:
+            raise EngineError(f"max_context must be an integer >= 16, got {max_context!r}")
+        dev = _parse_device(device)
+        cfg = ModelConfig.from_file(path / "config.json")
+        tokenizer = Tokenizer(path, cfg.eos_token_ids)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ModelLoadError(
+                f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                f"model's vocab_size {cfg.vocab_size}"
+            )
+        weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
+        return cls(Model(cfg, weights, has_mtp), tokenizer, path, max_context)
+
+    # ---- information ----------------------------------------------------------------------------
+    @property
+    def info(self) -> dict[str, Any]:
+        params = sum(t.numel() for n, t in self.model.w.items() if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings))
+        return {
+            "name": self.model_dir.name,
+            "model_dir": str(self.model_dir),
+            "vocab_size": self.cfg.vocab_size,
+            "hidden_size": self.cfg.hidden_size,
+            "layers": self.cfg.num_layers,
+            "layer_types": list(self.cfg.layer_types),
+            "has_mtp": self.model.has_mtp,
+            "device": str(self.model.device),
+            "dtype": str(self.model.dtype).replace("torch.", ""),
+            "parameters": params,
+            "max_context": self.max_context,
+            "devices": [str(self.model.device)],
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes per component, counted from the tensors the engine holds."""
+        seen: set[int] = set()
+        weights = 0
+        for t in self.model.w.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weights += t.numel() * t.element_size()
+        kv = planes = work = 0
+        for sess in self._sessions():
+            st = sess.state
+            kv += sum(b.numel() * b.element_size() for b in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache])
+            planes += sum(b.numel() * b.element_size() for b in [*st.delta_planes.values(), *st.conv_planes.values()])
+            work += st.hidden.numel() * st.hidden.element_size()
+        return {"weights": weights, "kv_cache": kv, "snapshot_planes": planes, "graph_pools": 0, "workspace": work}
+
+    def check_settings(self, settings: EngineSettings) -> None:
+        """Raise EngineError when valid settings still do not fit this model."""
+        if settings.sub_vocab > self.cfg.vocab_size:
+            raise EngineError(
+                f"sub_vocab {settings.sub_vocab} is larger than the model's vocabulary ({self.cfg.vocab_size}); "
+                "use 0 (full) or a smaller value"
+            )
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def new_session(self, settings: EngineSettings | None = None) -> Session:
+        state = SessionState(
+            self.cfg, self.model.device, self.model.dtype, self.max_context, self.n_planes, self.model.has_mtp
+        )
+        sess = Session(state, settings)
+        self._all_sessions.append(sess)
+        return sess
+
+    @property
+    def _all_sessions(self) -> list[Session]:
+        if not hasattr(self, "_session_list"):
+            self._session_list: list[Session] = []
+        return self._session_list
+
+    def _sessions(self) -> list[Session]:
+        return list(self._all_sessions)
+
+    @property
+    def default_session(self) -> Session:
+        if self._default_session is None:
+            self._default_session = self.new_session()
+        return self._default_session
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Target logits [T, vocab] for a fresh sequence; leaves no state behind."""
+        ids = self._check_ids(list(token_ids), 0)
+        state = SessionState(self.cfg, self.model.device, self.model.dtype, len(ids) + 1, self.n_planes, False)
+        with torch.inference_mode():
+            return self.model.lm_head(self.model.forward(torch.tensor(ids, device=self.model.device), state)).float()
+
+    def _check_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        if not ids:
+            raise EngineError("the prompt is empty; give at least one token of text")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise EngineError(f"token id {bad!r} is out of range 0..{self.cfg.vocab_size - 1}")
+        if len(ids) + max_new_tokens > self.max_context:
+            raise EngineError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
+                f"{self.max_context} tokens; shorten the prompt or load with a larger max_context"
+            )
+        return ids
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int,
+        settings: EngineSettings | None = None,
+        session: Session | None = None,
+    ) -> GenerateResult:
+        tokens: list[int] = []
+        stats: dict[str, Any] = {}
+        for ev in self.stream(prompt, max_new_tokens, settings, session):
+            tokens.extend(ev.tokens)
+            stats = ev.run
+        return GenerateResult(tokens, self.tokenizer.decode(tokens), stats)
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int,
+        settings: EngineSettings | None = None,
+        session: Session | None = None,
+    ) -> Iterator[RoundEvent]:
+        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sess = session or self.default_session
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self._check_ids(ids, max_new_tokens)
+        if settings is not None:
+            self.check_settings(settings)
+            sess.settings = settings
+        if not sess.busy.acquire(blocking=False):
+            raise EngineError("this session is already generating; cancel it or use another session")
+        return self._run(sess, ids, max_new_tokens)
+
+    def _run(self, sess: Session, ids: list[int], max_new_tokens: int) -> Iterator[RoundEvent]:
+        try:
+            sess._clear_cancel()
+            state = sess.state
+            if ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens:
+                state.reset()
+            state.tokens = list(ids)
+            stats = RunStats()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                stats.prefill_tokens = prefill(self.model, state)
+            stats.prefill_s = time.perf_counter() - t0
+            generated: list[int] = []
+            shown = ""
+            index = 0
+            while True:
+                if sess.cancelled:
+                    stats.stop_reason = "cancelled"
+                    yield self._final_event(index, sess.settings, stats)
+                    return
+                settings = sess.settings
+                t_start = time.perf_counter()
+                with torch.inference_mode():
+                    out = run_round(
+                        self.model,
+                        state,
+                        settings,
+                        max_new_tokens - len(generated),
+                        self.tokenizer.eos_token_ids,
+                        lambda: sess.cancelled,
+                        getattr(sess, "test_drafter", None),
+                    )
+                if out.cancelled:
+                    stats.stop_reason = "cancelled"
+                    yield self._final_event(index, settings, stats)
+                    return
+                t_host = time.perf_counter()
+                generated.extend(out.tokens)
+                full = self.tokenizer.decode(generated)
+                if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: show it when it completes
+                    full = full.rstrip("\ufffd")
+                text = full[len(shown) :] if full.startswith(shown) else full
+                shown = full
+                done = out.hit_eos or len(generated) >= max_new_tokens
+                t_end = time.perf_counter()
+                ev = RoundEvent(
+                    index=index,
+                    tokens=out.tokens,
+                    text=text,
+                    from_draft=out.from_draft,
+                    drafted=out.drafted,
+                    accepted=out.accepted,
+                    settings=settings,
+                    time_draft_s=out.time_draft_s,
+                    time_verify_s=out.time_verify_s,
+                    time_accept_s=out.time_accept_s,
+                    time_host_s=(t_end - t_host) + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
+                    time_round_s=t_end - t_start,
+                )
+                stats.add(ev)
+                if done:
+                    stats.stop_reason = "eos" if out.hit_eos else "length"
+                    ev.done, ev.stop_reason = True, stats.stop_reason
+                ev.run = stats.as_dict(self.memory())
+                index += 1
+                yield ev
+                if done:
+                    return
+        finally:
+            sess.busy.release()
+
+    def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
+        ev = RoundEvent(index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason)
+        ev.run = stats.as_dict(self.memory())
+        return ev

@@ -1,0 +1,137 @@
+"""The target model and the MTP draft head: forward passes over T tokens of one session.
+
+Reads like the architecture (see shared notes 01): embeddings; per layer x += mixer(norm(x)),
+x += mlp(norm(x)); final norm; LM head. Custom ops come from `kernels` (a CUDA kernel on the GPU,
+the PyTorch reference elsewhere); GEMMs are plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import ops
+
+from .config import ModelConfig
+from .state import SessionState
+
+# Batches up to this many tokens use the recurrent delta rule (a plane per token, so rollback works
+# anywhere inside them); longer ones (prefill) use the chunked GEMM form.
+RECURRENT_MAX_TOKENS = 32
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], has_mtp: bool) -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.has_mtp = has_mtp
+        self.device = weights["embed_tokens.weight"].device
+        self.dtype = weights["embed_tokens.weight"].dtype
+        rot = cfg.rotary_dim
+        self.inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot)
+        )
+        self.scale = cfg.head_dim**-0.5
+
+    # ---- layers -----------------------------------------------------------------------------
+    def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
+        up = F.linear(x, w[p + "mlp.up_proj.weight"])
+        return F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+
+    def _attention(
+        self, p: str, x: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        t = x.shape[0]
+        d = cfg.head_dim
+        qg = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(t, cfg.num_attention_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(t, cfg.num_key_value_heads, d)
+        v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, cfg.num_key_value_heads, d)
+        q = ops.rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = ops.rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        positions = torch.arange(start, start + t, device=x.device)
+        q = ops.rope_partial(q, positions, self.inv_freq)
+        k = ops.rope_partial(k, positions, self.inv_freq)
+        ops.kv_write(k_cache, v_cache, k, v, start)
+        out = ops.attention_cached(q, k_cache, v_cache, start, self.scale)
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return F.linear(out, w[p + "self_attn.o_proj.weight"])
+
+    def _delta_net(self, i: int, x: torch.Tensor, state: SessionState, start: int, recurrent: bool) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        p = f"layers.{i}.linear_attn."
+        t = x.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv = F.linear(x, w[p + "in_proj_qkv.weight"])
+        z = F.linear(x, w[p + "in_proj_z.weight"]).view(t, hv, dv)
+        b = F.linear(x, w[p + "in_proj_b.weight"])
+        a = F.linear(x, w[p + "in_proj_a.weight"])
+        qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
+        q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+        beta = torch.sigmoid(b)
+        g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"])
+        rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
+        o = rule(q, k, v, g, beta, state.delta_planes[i], start)
+        o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
+        return F.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
+
+    # ---- target -----------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
+        """Consume T tokens at positions state.target_len ..; returns post-norm hidden states [T, H].
+
+        Writes KV, snapshot planes and their position tags; the caller computes logits from the hiddens
+        it needs (all rows for verify, the last row for prefill).
+        """
+        cfg, w = self.cfg, self.w
+        start = state.target_len
+        t = ids.shape[0]
+        if start + t > state.max_context:
+            raise ValueError(f"context overflow: {start + t} > {state.max_context}")
+        recurrent = t <= min(RECURRENT_MAX_TOKENS, state.n_planes - 1)
+        x = F.embedding(ids, w["embed_tokens.weight"])
+        eps = cfg.rms_norm_eps
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps)
+            if kind == "full_attention":
+                h = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
+            else:
+                h = self._delta_net(i, h, state, start, recurrent)
+            h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
+            x = x + self._mlp(p, h)
+        state.record_batch(start, t, every_plane=recurrent)
+        return ops.rmsnorm(x, w["norm.weight"], eps)
+
+    def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """Logits over the first `rows` vocabulary ids (0 = all): the sub-vocab head is a view."""
+        head = self.w["lm_head.weight"]
+        if rows:
+            head = head[:rows]
+        return F.linear(hidden, head)
+
+    # ---- MTP draft head -------------------------------------------------------------------------
+    def mtp_forward(
+        self, tokens: torch.Tensor, hiddens: torch.Tensor, start: int, state: SessionState
+    ) -> torch.Tensor:
+        """MTP rows start .. start+T-1: row r pairs token r+1 with the hidden of position r.
+
+        e = norm_e(embed(token)); hn = norm_h(hidden); x = fc(cat(e, hn)) (embedding first);
+        x = decoder layer (full attention, own KV cache, RoPE position r); returns y = mtp.norm(x) [T, H],
+        which is both the input hidden of a chained next step and the input of the LM head.
+        """
+        w, eps = self.w, self.cfg.rms_norm_eps
+        e = ops.rmsnorm(F.embedding(tokens, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
+        hn = ops.rmsnorm(hiddens, w["mtp.pre_fc_norm_hidden.weight"], eps)
+        x = F.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
+        for j in range(len(state.mtp_k_cache)):
+            p = f"mtp.layers.{j}."
+            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps)
+            h = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
+            h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
+            x = x + self._mlp(p, h)
+        return ops.rmsnorm(x, w["mtp.norm.weight"], eps)

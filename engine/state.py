@@ -1,0 +1,162 @@
+"""Per-session decode state: KV caches, recurrent state in position-tagged snapshot planes, MTP carry-over.
+
+Snapshot planes
+---------------
+The recurrent state (delta-net S and the conv window) cannot be un-applied, so it lives in a ring of
+`n_planes` planes per layer: plane (p % n_planes) holds the state after the first p tokens, and
+`plane_pos[i]` says which position plane i holds (-1 = nothing valid). A batch of T tokens starting at
+position p reads plane p and writes planes p+1 .. p+T, and leaves every other plane as it was, with its
+tag. Rolling back to position q is then just "move the length to q" — allowed only when plane q still
+holds position q; otherwise the rollback is refused and the caller re-prefills the committed prefix.
+Planes past the new length are untagged on rollback so a later rollback can never read a stale branch.
+
+The KV cache of full-attention layers rolls back by moving the length alone.
+
+MTP carry-over
+--------------
+`hidden[r]` keeps the target's post-norm hidden state of position r. The MTP head has consumed rows
+0 .. mtp_len-1 (row r pairs hidden[r] with token r+1); rows mtp_len .. len(tokens)-2 are pending and
+are fed to the head at the start of the next draft (catch-up), together with the first draft step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .config import ModelConfig
+from .settings import EngineSettings
+
+
+class SessionState:
+    """All mutable state of one sequence. Buffers are allocated once, for `max_context` tokens."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_context: int,
+        n_planes: int,
+        has_mtp: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.max_context = max_context
+        self.n_planes = n_planes
+        full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        linear = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        kv_shape = (max_context, cfg.num_key_value_heads, cfg.head_dim)
+        self.k_cache = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in full}
+        self.v_cache = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in full}
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        k1 = cfg.linear_conv_kernel_dim - 1
+        self.delta_planes = {
+            i: torch.zeros((n_planes, hv, dk, dv), device=device, dtype=torch.float32) for i in linear
+        }
+        self.conv_planes = {i: torch.zeros((n_planes, cfg.conv_dim, k1), device=device, dtype=dtype) for i in linear}
+        self.plane_pos = [-1] * n_planes
+        self.has_mtp = has_mtp
+        n_mtp = cfg.mtp_num_hidden_layers if has_mtp else 0
+        self.mtp_k_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
+        self.mtp_v_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
+        self.hidden = torch.zeros((max_context, cfg.hidden_size), device=device, dtype=dtype)
+        # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
+        self.legacy_clamped_planes = False
+        self.reset()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything: the next prompt is prefilled from scratch (MTP carry-over included)."""
+        self.tokens: list[int] = []
+        self.target_len = 0  # tokens the target has consumed (KV length / recurrent position)
+        self.mtp_len = 0  # MTP rows consumed
+        for planes in self.delta_planes.values():
+            planes[0].zero_()
+        for planes in self.conv_planes.values():
+            planes[0].zero_()
+        self.plane_pos = [-1] * self.n_planes
+        self.plane_pos[0] = 0
+
+    def fill_for_test(self, value: float) -> None:
+        """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid. Tests use it to
+        prove that nothing reads a buffer before writing it."""
+        for buf in [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache]:
+            buf.fill_(value)
+        for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
+            planes[1:].fill_(value)
+        self.hidden.fill_(value)
+
+    def can_rollback(self, pos: int) -> bool:
+        return 0 <= pos <= self.target_len and self.plane_pos[pos % self.n_planes] == pos
+
+    def rollback(self, pos: int) -> bool:
+        """Move the target back to `pos` consumed tokens. Returns False (and changes nothing) when no plane
+        holds that position: the caller must then re-prefill."""
+        if not self.can_rollback(pos):
+            return False
+        self.target_len = pos
+        self.plane_pos = [p if p <= pos else -1 for p in self.plane_pos]
+        self.mtp_len = min(self.mtp_len, pos)
+        return True
+
+    def record_batch(self, start: int, count: int, every_plane: bool) -> None:
+        """Tag the planes a batch wrote: every position start+1..start+count (recurrent form) or only the
+        last one (chunked prefill form)."""
+        n = self.n_planes
+        first = start + 1 if every_plane else start + count
+        for p in range(max(first, start + count - n + 1), start + count + 1):
+            self.plane_pos[p % n] = p
+        if self.legacy_clamped_planes and every_plane:
+            # The seed's bug: planes deeper than the batch get copies of its oldest state, tagged as if
+            # they held the positions a full-depth batch would have put there.
+            for i in range(count + 1, n):
+                p = start + count - i
+                if p < 0:
+                    break
+                for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
+                    planes[p % n] = planes[start % n]
+                self.plane_pos[p % n] = p
+        self.target_len = start + count
+
+
+class Session:
+    """A handle on one independent conversation. `settings` and `cancel()` are safe from any thread."""
+
+    def __init__(self, state: SessionState, settings: EngineSettings | None = None) -> None:
+        self.state = state
+        self._settings = settings or EngineSettings()
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self.busy = threading.Lock()  # held while a generation runs on this session
+
+    @property
+    def settings(self) -> EngineSettings:
+        with self._lock:
+            return self._settings
+
+    @settings.setter
+    def settings(self, value: EngineSettings) -> None:
+        if not isinstance(value, EngineSettings):
+            raise TypeError("settings must be an EngineSettings")
+        with self._lock:
+            self._settings = value
+
+    def cancel(self) -> None:
+        """Stop the running generation at the next round boundary (or within the current round)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def _clear_cancel(self) -> None:
+        self._cancel.clear()
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.state.tokens)
+
+    def reset(self) -> None:
+        with self.busy:
+            self.state.reset()

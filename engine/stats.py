@@ -1,0 +1,103 @@
+"""Per-round events and per-run statistics. Names carry their unit (_s seconds, _bytes bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .settings import EngineSettings
+
+
+@dataclass
+class RoundEvent:
+    index: int
+    tokens: list[int]
+    text: str
+    from_draft: list[bool]
+    drafted: int
+    accepted: int
+    settings: EngineSettings
+    time_draft_s: float
+    time_verify_s: float
+    time_accept_s: float
+    time_host_s: float
+    time_round_s: float
+    plan_hits: int = 0
+    plan_misses: int = 0
+    plan_capture_s: float = 0.0
+    run: dict[str, Any] = field(default_factory=dict)
+    done: bool = False
+    stop_reason: str | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.time_round_s if self.time_round_s > 0 else 0.0
+
+
+class RunStats:
+    """Accumulates rounds into the numbers `generate` returns in `result.stats`."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self.generated = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.position_drafted: list[int] = []
+        self.position_accepted: list[int] = []
+        self.time_draft_s = 0.0
+        self.time_verify_s = 0.0
+        self.time_accept_s = 0.0
+        self.time_host_s = 0.0
+        self.time_rounds_s = 0.0
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.plan_hits = 0
+        self.plan_misses = 0
+        self.plan_capture_s = 0.0
+        self.stop_reason: str | None = None
+
+    def add(self, ev: RoundEvent) -> None:
+        self.rounds += 1
+        self.generated += len(ev.tokens)
+        self.drafted += ev.drafted
+        self.accepted += ev.accepted
+        while len(self.position_drafted) < ev.drafted:
+            self.position_drafted.append(0)
+            self.position_accepted.append(0)
+        for i in range(ev.drafted):
+            self.position_drafted[i] += 1
+            if i < ev.accepted:
+                self.position_accepted[i] += 1
+        self.time_draft_s += ev.time_draft_s
+        self.time_verify_s += ev.time_verify_s
+        self.time_accept_s += ev.time_accept_s
+        self.time_host_s += ev.time_host_s
+        self.time_rounds_s += ev.time_round_s
+        self.plan_hits += ev.plan_hits
+        self.plan_misses += ev.plan_misses
+        self.plan_capture_s += ev.plan_capture_s
+
+    def as_dict(self, memory: dict[str, int] | None = None) -> dict[str, Any]:
+        return {
+            "rounds": self.rounds,
+            "generated": self.generated,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "mean_accepted_length": self.generated / self.rounds if self.rounds else 0.0,
+            "per_position_acceptance": [
+                a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted, strict=True)
+            ],
+            "tokens_per_second": self.generated / self.time_rounds_s if self.time_rounds_s > 0 else 0.0,
+            "time_draft_s": self.time_draft_s,
+            "time_verify_s": self.time_verify_s,
+            "time_accept_s": self.time_accept_s,
+            "time_host_s": self.time_host_s,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_s": self.prefill_s,
+            "plan_hits": self.plan_hits,
+            "plan_misses": self.plan_misses,
+            "plan_capture_s": self.plan_capture_s,
+            "stop_reason": self.stop_reason,
+            "memory": dict(memory or {}),
+        }

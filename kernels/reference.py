@@ -1,0 +1,231 @@
+"""PyTorch references for every custom op on the decode path.
+
+Each function here is the ground truth for the CUDA kernel of the same name in `kernels/cuda.py`;
+both take and return the same things. They are plain functions on tensors: no model knowledge, no
+state of their own (state lives in buffers the caller passes in).
+
+Conventions
+- Token-major layouts: activations are [T, ...] for a batch of T tokens of one sequence.
+- Zero-centred RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32.
+- Recurrent state lives in a *ring* of snapshot planes indexed by position: plane (p % n_planes) holds
+  the state after the first p tokens. A batch of T tokens starting at `start` reads plane start and
+  writes planes start+1 .. start+T; every other plane keeps what it holds (see engine/state.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim, in fp32, cast back to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with zero-centred RMSNorm: s = x + residual; returns (rmsnorm(s), s)."""
+    s = x + residual
+    return rmsnorm(s, weight, eps), s
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The delta-net output norm: rmsnorm with a PLAIN weight (no +1), times silu(gate). x, gate [..., d]."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def rope_partial(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NeoX-style RoPE on the first 2*len(inv_freq) dims of each head (rotate_half pairs i, i + rot/2).
+
+    x [T, heads, head_dim]; positions [T] (int); returns a new tensor.
+    """
+    rot = inv_freq.numel() * 2
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, rot/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype)[:, None, :]
+    sin = emb.sin().to(x.dtype)[:, None, :]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def kv_write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+) -> None:
+    """Write T new keys/values at positions start .. start+T-1 of the static cache [max_ctx, Hkv, D]."""
+    t = k.shape[0]
+    k_cache[start : start + t] = k
+    v_cache[start : start + t] = v
+
+
+def attention_cached(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of T queries (positions start..start+T-1) over the static KV cache.
+
+    The T new keys must already be in the cache. q [T, Hq, D], caches [max_ctx, Hkv, D] -> [T, Hq, D].
+    """
+    t, hq, d = q.shape
+    total = start + t
+    hkv = k_cache.shape[1]
+    k = k_cache[:total].transpose(0, 1)  # [Hkv, total, D]
+    v = v_cache[:total].transpose(0, 1)
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=0)
+        v = v.repeat_interleave(hq // hkv, dim=0)
+    scores = torch.matmul(q.transpose(0, 1).float(), k.float().transpose(1, 2)) * scale  # [Hq, T, total]
+    q_pos = torch.arange(start, total, device=q.device)[:, None]
+    k_pos = torch.arange(total, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())  # [Hq, T, D]
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def conv_update(
+    x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over T new raw inputs, with the window kept in a ring of planes.
+
+    x [T, C] raw (pre-conv) values; conv_ring [n_planes, C, K-1]: plane p % n holds the raw inputs of
+    tokens p-K+1 .. p-1 (the window before token p). weight [C, K]. Reads plane `start`, writes planes
+    start+1 .. start+T (each the window after that many tokens). Returns silu(conv) [T, C].
+    """
+    t, c = x.shape
+    n = conv_ring.shape[0]
+    k = weight.shape[1]
+    window = conv_ring[start % n]  # [C, K-1]
+    ext = torch.cat((window, x.transpose(0, 1).to(window.dtype)), dim=1)  # [C, K-1+T]
+    out = F.conv1d(ext[None].float(), weight.float()[:, None, :], groups=c)[0]  # [C, T]
+    for j in range(max(1, t - n + 1), t + 1):
+        conv_ring[(start + j) % n] = ext[:, j : j + k - 1]
+    return F.silu(out).transpose(0, 1).to(x.dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """Recurrent gated delta rule over T tokens, one snapshot plane written per token.
+
+    q, k [T, Hk, dk] (raw: l2-normalised here, q also scaled by dk^-0.5); v [T, Hv, dv];
+    g [T, Hv] log-decay (fp32); beta [T, Hv]; state_ring [n_planes, Hv, dk, dv] fp32.
+    Value head h reads key head h // (Hv / Hk). Per token: S = exp(g)*S; u = S^T k;
+    S += k (beta (v - u))^T; o = S^T q. Reads plane start % n, writes planes (start + j) % n for
+    j = 1..T (T must be < n_planes). Returns o [T, Hv, dv] in v's dtype.
+    """
+    t, hk, dk = q.shape
+    hv = v.shape[1]
+    n = state_ring.shape[0]
+    if t >= n:
+        raise ValueError(f"a recurrent batch of {t} tokens needs more than {n} snapshot planes")
+    rep = hv // hk
+    qf = _l2norm(q.float()).repeat_interleave(rep, dim=1) * dk**-0.5
+    kf = _l2norm(k.float()).repeat_interleave(rep, dim=1)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    s = state_ring[start % n].clone()
+    out = torch.empty(t, hv, v.shape[2], dtype=torch.float32, device=v.device)
+    for i in range(t):
+        s = s * gf[i].exp()[:, None, None]
+        u = torch.einsum("hkv,hk->hv", s, kf[i])
+        s = s + kf[i][:, :, None] * (bf[i][:, None] * (vf[i] - u))[:, None, :]
+        out[i] = torch.einsum("hkv,hk->hv", s, qf[i])
+        state_ring[(start + i + 1) % n] = s
+    return out.to(v.dtype)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: int,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The same rule for a long batch (prefill), in the chunked (GEMM) form; writes only plane start+T.
+
+    Same inputs as `gated_delta_rule`; any T. Intermediate states are not kept, so positions inside
+    the batch cannot be rolled back to (the caller records that).
+    """
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    n = state_ring.shape[0]
+    rep = hv // hk
+    query = (_l2norm(q.float()).repeat_interleave(rep, dim=1) * dk**-0.5).transpose(0, 1)  # [Hv, T, dk]
+    key = _l2norm(k.float()).repeat_interleave(rep, dim=1).transpose(0, 1)
+    value = v.float().transpose(0, 1)
+    bt = beta.float().transpose(0, 1)  # [Hv, T]
+    decay = g.float().transpose(0, 1)
+    pad = (chunk_size - t % chunk_size) % chunk_size
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    bt, decay = F.pad(bt, (0, pad)), F.pad(decay, (0, pad))
+    nc = (t + pad) // chunk_size
+    v_beta = value * bt[..., None]
+    k_beta = key * bt[..., None]
+    query, key, k_beta, v_beta = (x.reshape(hv, nc, chunk_size, -1) for x in (query, key, k_beta, v_beta))
+    decay = decay.reshape(hv, nc, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = decay.cumsum(-1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ key.transpose(-1, -2)) * pair
+    intra = (query @ key.transpose(-1, -2)) * pair
+    dk_beta = k_beta * cum.exp()[..., None]
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, dk_beta, upper=False, unitriangular=True)
+    s = state_ring[start % n].clone()
+    out = torch.zeros_like(new_v)
+    query = query * cum.exp()[..., None]
+    key = key * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(nc):
+        v_new = new_v[:, i] - k_cum[:, i] @ s
+        out[:, i] = query[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i] + key[:, i].transpose(-1, -2) @ v_new
+    state_ring[(start + t) % n] = s
+    out = out.reshape(hv, -1, dv)[:, :t].transpose(0, 1)
+    return out.to(v.dtype).contiguous()
+
+
+def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy pick over the first n vocabulary ids (n = 0: all), and its softmax probability over them.
+
+    logits [T, V] -> (token [T] int64, prob [T] fp32). Only these two numbers per row leave the op.
+    """
+    scores = logits if n <= 0 else logits[:, :n]
+    scores = scores.float()
+    top, idx = scores.max(dim=-1)
+    prob = 1.0 / torch.exp(scores - top[:, None]).sum(dim=-1)
+    return idx, prob
+
+
+def greedy_accept(
+    drafts: torch.Tensor, n_drafted: int, target_tokens: torch.Tensor
+) -> tuple[int, int]:
+    """Greedy acceptance: the longest prefix of drafts equal to the target's picks, then the bonus.
+
+    drafts [n] (first n_drafted valid), target_tokens [n_drafted + 1] (the target's argmax at each verify
+    row). Returns (accepted count k, bonus token = target_tokens[k]).
+    """
+    k = 0
+    while k < n_drafted and int(drafts[k]) == int(target_tokens[k]):
+        k += 1
+    return k, int(target_tokens[k])
