@@ -78,9 +78,7 @@ class ModelConfig:
         layer_types = text.get("layer_types")
         if layer_types is None:
             interval = int(text.get("full_attention_interval", 4))
-            layer_types = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
-            ]
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
         layer_types = tuple(layer_types)
         if len(layer_types) != n_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
             raise ModelLoadError(

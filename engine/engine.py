@@ -48,9 +48,7 @@ def _parse_device(device: str) -> torch.device:
             raise EngineError(f"device {device!r} asked for, but CUDA is not available here; use device='cpu'")
         index = dev.index or 0
         if index >= torch.cuda.device_count():
-            raise EngineError(
-                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) found"
-            )
+            raise EngineError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) found")
         dev = torch.device("cuda", index)
     elif dev.type != "cpu":
         raise EngineError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
@@ -103,7 +101,9 @@ class Engine:
     # ---- information ----------------------------------------------------------------------------
     @property
     def info(self) -> dict[str, Any]:
-        params = sum(t.numel() for n, t in self.model.w.items() if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings))
+        params = sum(
+            t.numel() for n, t in self.model.w.items() if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)
+        )
         return {
             "name": self.model_dir.name,
             "model_dir": str(self.model_dir),
@@ -130,7 +130,10 @@ class Engine:
         kv = planes = work = 0
         for sess in self._sessions():
             st = sess.state
-            kv += sum(b.numel() * b.element_size() for b in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache])
+            kv += sum(
+                b.numel() * b.element_size()
+                for b in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache]
+            )
             planes += sum(b.numel() * b.element_size() for b in [*st.delta_planes.values(), *st.conv_planes.values()])
             work += st.hidden.numel() * st.hidden.element_size()
         return {"weights": weights, "kv_cache": kv, "snapshot_planes": planes, "graph_pools": 0, "workspace": work}
@@ -252,7 +255,7 @@ class Engine:
                         max_new_tokens - len(generated),
                         self.tokenizer.eos_token_ids,
                         lambda: sess.cancelled,
-                        getattr(sess, "test_drafter", None),
+                        sess.test_drafter,
                     )
                 if out.cancelled:
                     stats.stop_reason = "cancelled"
@@ -278,7 +281,8 @@ class Engine:
                     time_draft_s=out.time_draft_s,
                     time_verify_s=out.time_verify_s,
                     time_accept_s=out.time_accept_s,
-                    time_host_s=(t_end - t_host) + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
+                    time_host_s=(t_end - t_host)
+                    + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
                     time_round_s=t_end - t_start,
                 )
                 stats.add(ev)
@@ -294,6 +298,8 @@ class Engine:
             sess.busy.release()
 
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
-        ev = RoundEvent(index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason)
+        ev = RoundEvent(
+            index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason
+        )
         ev.run = stats.as_dict(self.memory())
         return ev

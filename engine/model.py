@@ -115,9 +115,7 @@ class Model:
         return F.linear(hidden, head)
 
     # ---- MTP draft head -------------------------------------------------------------------------
-    def mtp_forward(
-        self, tokens: torch.Tensor, hiddens: torch.Tensor, start: int, state: SessionState
-    ) -> torch.Tensor:
+    def mtp_forward(self, tokens: torch.Tensor, hiddens: torch.Tensor, start: int, state: SessionState) -> torch.Tensor:
         """MTP rows start .. start+T-1: row r pairs token r+1 with the hidden of position r.
 
         e = norm_e(embed(token)); hn = norm_h(hidden); x = fc(cat(e, hn)) (embedding first);

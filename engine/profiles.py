@@ -144,8 +144,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     unknown = sorted(set(data) - _TOP_LEVEL_KEYS)
     if unknown:
         raise fail(
-            f"unknown field(s) {', '.join(repr(k) for k in unknown)}; "
-            f"known: {', '.join(sorted(_TOP_LEVEL_KEYS))}"
+            f"unknown field(s) {', '.join(repr(k) for k in unknown)}; known: {', '.join(sorted(_TOP_LEVEL_KEYS))}"
         )
 
     name = data.get("name")
@@ -185,9 +184,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     # mean something else once a default changes.
     missing = sorted(_SETTING_KEYS - set(raw_settings))
     if missing:
-        raise fail(
-            f"incomplete: missing setting(s) {', '.join('settings.' + k for k in missing)}"
-        )
+        raise fail(f"incomplete: missing setting(s) {', '.join('settings.' + k for k in missing)}")
     try:
         settings = EngineSettings.from_dict(raw_settings)
     except ValueError as exc:
@@ -316,8 +313,10 @@ class ProfileStore:
                 key = profile.name.casefold()
                 if key in by_name and by_name[key].shipped == shipped:
                     problems.append(
-                        ProfileProblem(path, f"name {profile.name!r} is also used by "
-                                             f"{by_name[key].path.name}; this file is skipped")
+                        ProfileProblem(
+                            path,
+                            f"name {profile.name!r} is also used by {by_name[key].path.name}; this file is skipped",
+                        )
                     )
                     continue
                 by_name[key] = profile  # user profiles come second and win
@@ -343,9 +342,7 @@ class ProfileStore:
     def _user_profile(self, name: str) -> Profile:
         profile = self.get(name)
         if profile.shipped:
-            raise ProfileError(
-                f"{name!r} is shipped with SpecDeck and cannot be changed; duplicate it first"
-            )
+            raise ProfileError(f"{name!r} is shipped with SpecDeck and cannot be changed; duplicate it first")
         return profile
 
     # -- writing --
@@ -371,8 +368,7 @@ class ProfileStore:
             path = existing.path
         else:
             path = self._path_for_new(name)
-        saved = dataclasses.replace(profile, name=name, path=path, shipped=False,
-                                    version=PROFILE_FORMAT_VERSION)
+        saved = dataclasses.replace(profile, name=name, path=path, shipped=False, version=PROFILE_FORMAT_VERSION)
         write_atomically(path, saved.to_toml())
         return saved
 
@@ -384,8 +380,7 @@ class ProfileStore:
         clash = self.find(new_name)
         if clash is not None and clash.path != profile.path:
             raise ProfileError(f"a profile named {new_name!r} already exists")
-        new_path = self._path_for_new(new_name) if file_name_for(new_name) != profile.path.name \
-            else profile.path
+        new_path = self._path_for_new(new_name) if file_name_for(new_name) != profile.path.name else profile.path
         renamed = dataclasses.replace(profile, name=new_name, path=new_path)
         write_atomically(new_path, renamed.to_toml())
         if new_path != profile.path:
@@ -473,7 +468,7 @@ def hardware_fingerprint(gpu_names: list[str] | None = None) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count() or 0,
         "python": platform.python_version(),
-        "saved_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "saved_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     if gpu_names is None:
         gpu_names, driver = _nvml_gpus()
@@ -526,4 +521,4 @@ def _drop_none(value: Any) -> Any:
 
 def _without_prefix(message: str, file_name: str) -> str:
     prefix = f"{file_name}: "
-    return message[len(prefix):] if message.startswith(prefix) else message
+    return message[len(prefix) :] if message.startswith(prefix) else message

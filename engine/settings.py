@@ -61,9 +61,7 @@ class EngineSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(
-                f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**data)
 
     def diff(self, other: EngineSettings) -> dict[str, tuple[Any, Any]]:

@@ -51,9 +51,7 @@ class SessionState:
         self.v_cache = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in full}
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         k1 = cfg.linear_conv_kernel_dim - 1
-        self.delta_planes = {
-            i: torch.zeros((n_planes, hv, dk, dv), device=device, dtype=torch.float32) for i in linear
-        }
+        self.delta_planes = {i: torch.zeros((n_planes, hv, dk, dv), device=device, dtype=torch.float32) for i in linear}
         self.conv_planes = {i: torch.zeros((n_planes, cfg.conv_dim, k1), device=device, dtype=dtype) for i in linear}
         self.plane_pos = [-1] * n_planes
         self.has_mtp = has_mtp
@@ -129,6 +127,8 @@ class Session:
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self.busy = threading.Lock()  # held while a generation runs on this session
+        # Tests replace the MTP head with a drafter told where to be wrong: (tokens, depth) -> drafts.
+        self.test_drafter = None
 
     @property
     def settings(self) -> EngineSettings:

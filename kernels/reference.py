@@ -57,9 +57,7 @@ def rope_partial(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def kv_write(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-) -> None:
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
     """Write T new keys/values at positions start .. start+T-1 of the static cache [max_ctx, Hkv, D]."""
     t = k.shape[0]
     k_cache[start : start + t] = k
@@ -90,9 +88,7 @@ def attention_cached(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def conv_update(
-    x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int
-) -> torch.Tensor:
+def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
     """Causal depthwise conv + SiLU over T new raw inputs, with the window kept in a ring of planes.
 
     x [T, C] raw (pre-conv) values; conv_ring [n_planes, C, K-1]: plane p % n holds the raw inputs of
@@ -217,9 +213,7 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return idx, prob
 
 
-def greedy_accept(
-    drafts: torch.Tensor, n_drafted: int, target_tokens: torch.Tensor
-) -> tuple[int, int]:
+def greedy_accept(drafts: torch.Tensor, n_drafted: int, target_tokens: torch.Tensor) -> tuple[int, int]:
     """Greedy acceptance: the longest prefix of drafts equal to the target's picks, then the bonus.
 
     drafts [n] (first n_drafted valid), target_tokens [n_drafted + 1] (the target's argmax at each verify

@@ -63,8 +63,8 @@ def _layer_tensors(prefix: str, cfg: dict[str, Any], kind: str, g: torch.Generat
     h = cfg["hidden_size"]
     inter = cfg["intermediate_size"]
 
-    def lin(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) * (cols**-0.5)
+    def lin(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * (gain * cols**-0.5)
 
     def znorm(n: int) -> torch.Tensor:  # zero-centred norm weight: small values around 0
         return torch.randn(n, generator=g) * 0.1
@@ -74,7 +74,7 @@ def _layer_tensors(prefix: str, cfg: dict[str, Any], kind: str, g: torch.Generat
         "post_attention_layernorm.weight": znorm(h),
         "mlp.gate_proj.weight": lin(inter, h),
         "mlp.up_proj.weight": lin(inter, h),
-        "mlp.down_proj.weight": lin(h, inter),
+        "mlp.down_proj.weight": lin(h, inter, 0.5),
     }
     if kind == "full_attention":
         d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -82,7 +82,7 @@ def _layer_tensors(prefix: str, cfg: dict[str, Any], kind: str, g: torch.Generat
             "self_attn.q_proj.weight": lin(nq * d * 2, h),
             "self_attn.k_proj.weight": lin(nkv * d, h),
             "self_attn.v_proj.weight": lin(nkv * d, h),
-            "self_attn.o_proj.weight": lin(h, nq * d),
+            "self_attn.o_proj.weight": lin(h, nq * d, 0.5),
             "self_attn.q_norm.weight": znorm(d),
             "self_attn.k_norm.weight": znorm(d),
         }
@@ -99,7 +99,7 @@ def _layer_tensors(prefix: str, cfg: dict[str, Any], kind: str, g: torch.Generat
             "linear_attn.A_log": torch.log(torch.rand(hv, generator=g) * 8 + 0.5),
             "linear_attn.dt_bias": torch.randn(hv, generator=g) * 0.5,
             "linear_attn.norm.weight": 1.0 + torch.randn(dv, generator=g) * 0.1,
-            "linear_attn.out_proj.weight": lin(h, hv * dv),
+            "linear_attn.out_proj.weight": lin(h, hv * dv, 0.5),
         }
     return {prefix + k: v for k, v in t.items()}
 

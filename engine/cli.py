@@ -1,0 +1,212 @@
+"""`specdeck` command line: the window (bare), generate, bench, screenshot, --version.
+
+Every subcommand goes through the engine's public API. Errors the user can act on print one line
+(`specdeck: error: ...`) and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import EngineError
+from .settings import EngineSettings
+
+KNOB_KEYS = {
+    "speculative": bool,
+    "draft_depth": int,
+    "depth": int,
+    "p_min": float,
+    "chain": bool,
+    "sub_vocab": int,
+    "mirror_output": bool,
+    "plan_pool": int,
+}
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the bundled model)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-context", type=int, default=4096)
+
+
+def _add_knob_args(p: argparse.ArgumentParser) -> None:
+    d = EngineSettings()
+    p.add_argument("--no-spec", action="store_true", help="plain greedy decoding (no drafting)")
+    p.add_argument("--depth", type=int, default=d.draft_depth, help="draft depth 1..16")
+    p.add_argument("--p-min", type=float, default=d.p_min, help="stop drafting below this draft probability")
+    p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=d.chain, help="chained drafting")
+    p.add_argument("--sub-vocab", type=int, default=d.sub_vocab, help="draft over the first N ids (0 = all)")
+    p.add_argument("--plan-pool", type=int, default=d.plan_pool, help="CUDA graphs kept (0 = none)")
+    p.add_argument("--mirror-output", action=argparse.BooleanOptionalAction, default=d.mirror_output)
+
+
+def _settings_from_args(a: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        speculative=not a.no_spec,
+        draft_depth=a.depth,
+        p_min=a.p_min,
+        chain=a.chain,
+        sub_vocab=a.sub_vocab,
+        mirror_output=a.mirror_output,
+        plan_pool=a.plan_pool,
+    )
+
+
+def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, EngineSettings]:
+    """An arm is a saved profile (name or .toml path) or knobs as 'key=value,...' on top of `base`."""
+    if "=" in spec:
+        changes: dict[str, object] = {}
+        for part in spec.split(","):
+            key, _, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if key not in KNOB_KEYS:
+                raise ValueError(f"unknown knob {key!r} in {spec!r}; known: {', '.join(sorted(KNOB_KEYS))}")
+            kind = KNOB_KEYS[key]
+            key = "draft_depth" if key == "depth" else key
+            v = value.strip().lower()
+            if kind is bool:
+                if v not in ("1", "0", "on", "off", "true", "false", "yes", "no"):
+                    raise ValueError(f"{key} must be on/off, got {value!r}")
+                changes[key] = v in ("1", "on", "true", "yes")
+            else:
+                try:
+                    changes[key] = kind(v)
+                except ValueError:
+                    raise ValueError(f"{key} must be a {kind.__name__}, got {value!r}") from None
+        return spec, base.replace(**changes)
+    from .profiles import load_profile
+
+    profile = load_profile(spec)
+    return profile.name, profile.settings_for(vocab_size)
+
+
+def _load_engine(a: argparse.Namespace):
+    from .engine import Engine
+
+    return Engine.load(a.model, device=a.device, dtype=a.dtype, max_context=a.max_context)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    settings = _settings_from_args(a)
+    eng = _load_engine(a)
+    if a.json:
+        res = eng.generate(a.prompt, a.n, settings)
+        print(json.dumps({"tokens": res.tokens, "text": res.text, "stats": res.stats}, indent=2))
+        return 0
+    for ev in eng.stream(a.prompt, a.n, settings):
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        last = ev
+    sys.stdout.write("\n")
+    s = last.run
+    print(
+        f"[{s['generated']} tokens, {s['tokens_per_second']:.1f} t/s, accepted length {s['mean_accepted_length']:.2f}, "
+        f"acceptance {100 * s['acceptance_rate']:.0f}%]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import BenchArm, run_bench
+
+    eng = _load_engine(a)
+    base = _settings_from_args(a)
+    if a.profile:
+        name, first = parse_arm(a.profile, eng.cfg.vocab_size, base)
+    else:
+        name, first = "A (flags)", base
+    arms = [BenchArm(name, first)]
+    if a.vs:
+        vs_name, second = parse_arm(a.vs, eng.cfg.vocab_size, first)
+        arms.append(BenchArm(vs_name if vs_name != name else vs_name + " (B)", second))
+    workloads = [w.strip() for w in a.workloads.split(",")] if a.workloads else None
+
+    def progress(done: int, total: int, msg: str) -> None:
+        print(f"[{done}/{total}] {msg}", file=sys.stderr)
+
+    report = run_bench(eng, arms, workloads, rounds=a.rounds, max_new_tokens=a.n, progress=progress)
+    print(report.format_tables())
+    if a.json:
+        Path(a.json).write_text(report.to_json(), encoding="utf-8")
+    if a.csv:
+        Path(a.csv).write_text(report.to_csv(), encoding="utf-8")
+    return 0
+
+
+def cmd_screenshot(a: argparse.Namespace) -> int:
+    from app.main import screenshot
+
+    screenshot(a.path, model=a.model, tokens=a.n)
+    print(a.path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdeck", description="Live tuning of MTP speculative decoding.")
+    p.add_argument("--version", action="version", version=f"specdeck {__version__}")
+    sub = p.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="generate text (greedy; speculation never changes it)")
+    _add_model_args(g)
+    _add_knob_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("-n", type=int, default=64, help="new tokens")
+    g.add_argument("--json", action="store_true", help="print tokens, text and stats as JSON")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="A/B benchmark on the fixed workloads (the seed's tables)")
+    _add_model_args(b)
+    _add_knob_args(b)
+    b.add_argument("--profile", help="arm A: a saved profile (name or path) or 'key=value,...'")
+    b.add_argument("--vs", help="arm B: a saved profile or 'key=value,...' changes to arm A")
+    b.add_argument("--workloads", help="comma list (default: code_gen,code_edit,code_echo,prose)")
+    b.add_argument("--rounds", type=int, default=2)
+    b.add_argument("-n", type=int, default=128, help="new tokens per run")
+    b.add_argument("--json", help="write the report as JSON here")
+    b.add_argument("--csv", help="write the rows as CSV here")
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("screenshot", help="render the window offscreen after a short run, save a PNG")
+    s.add_argument("path")
+    s.add_argument("--model")
+    s.add_argument("-n", type=int, default=48)
+    s.set_defaults(func=cmd_screenshot)
+
+    w = sub.add_parser("gui", help="open the window (the default)")
+    w.add_argument("--model")
+    w.set_defaults(func=None)
+    return p
+
+
+def gui_main() -> int:
+    from app.main import run_app
+
+    return run_app(sys.argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.command is None or a.func is None:
+        from app.main import run_app
+
+        return run_app([sys.argv[0], *argv[1:]] if a.command else [sys.argv[0]])
+    try:
+        return a.func(a)
+    except (EngineError, ValueError, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        print(f"specdeck: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
