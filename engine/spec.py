@@ -119,25 +119,37 @@ def run_round(
     t0 = time.perf_counter()
     # Drafts beyond what may be emitted or what fits the context are wasted work: cap them.
     max_drafts = min(settings.draft_depth, budget - 1, state.max_context - n) if settings.speculative else 0
+    drafts: list[int] = []
+    probs: list[float] = []
     if drafter is not None:
         drafts = list(drafter(list(state.tokens), max(max_drafts, 0)))[: max(max_drafts, 0)]
+        probs = [1.0] * len(drafts)
     elif model.has_mtp:
-        drafts, _ = _draft(model, state, settings, max_drafts)
-    else:
-        drafts = []
+        drafts, probs = _draft(model, state, settings, max_drafts)
     _sync(model.device)
     t1 = time.perf_counter()
     if is_cancelled():
         return RoundOutcome([], [], 0, 0, t1 - t0, 0.0, 0.0, False, cancelled=True)
 
-    ids = torch.tensor([state.tokens[-1], *drafts], dtype=torch.long, device=model.device)
+    dev = model.device
+    ids = torch.tensor([state.tokens[-1], *drafts], dtype=torch.long, device=dev)
     hidden = model.forward(ids, state)
     target_tokens, _ = ops.argmax_prob(model.lm_head(hidden), 0)
-    target_tokens = target_tokens.tolist()  # the round's one device-to-host read
+    cache_len = torch.tensor([n - 1], dtype=torch.long, device=dev)
+    out = torch.empty(len(drafts) + 3, dtype=torch.long, device=dev)
+    ops.greedy_accept(
+        torch.tensor(drafts, dtype=torch.long, device=dev),
+        torch.tensor(probs, dtype=torch.float32, device=dev),
+        target_tokens,
+        settings.p_min if drafter is None else 0.0,
+        cache_len,
+        out,
+    )
+    got = out.tolist()  # the round's one device-to-host read
     t2 = time.perf_counter()
 
-    k, bonus = ops.greedy_accept(torch.tensor(drafts + [0]), len(drafts), torch.tensor(target_tokens))
-    emitted = drafts[:k] + [bonus]
+    k = got[0] - 1
+    emitted = got[2 : 2 + k + 1]
     from_draft = [True] * k + [False]
     hit_eos = False
     for i, tok in enumerate(emitted):

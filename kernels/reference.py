@@ -17,6 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+Start = int | torch.Tensor  # a host int, or a 1-element int64 device tensor (what a captured graph reads)
+
+
+def _host(start: Start) -> int:
+    return int(start) if isinstance(start, int) else int(start.reshape(-1)[0].item())
+
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim, in fp32, cast back to x's dtype."""
@@ -65,12 +71,13 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention_cached(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: Start, scale: float
 ) -> torch.Tensor:
     """Causal GQA attention of T queries (positions start..start+T-1) over the static KV cache.
 
     The T new keys must already be in the cache. q [T, Hq, D], caches [max_ctx, Hkv, D] -> [T, Hq, D].
     """
+    start = _host(start)
     t, hq, d = q.shape
     total = start + t
     hkv = k_cache.shape[1]
@@ -95,6 +102,7 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
     tokens p-K+1 .. p-1 (the window before token p). weight [C, K]. Reads plane `start`, writes planes
     start+1 .. start+T (each the window after that many tokens). Returns silu(conv) [T, C].
     """
+    start = _host(start)
     t, c = x.shape
     n = conv_ring.shape[0]
     k = weight.shape[1]
@@ -117,7 +125,7 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state_ring: torch.Tensor,
-    start: int,
+    start: Start,
 ) -> torch.Tensor:
     """Recurrent gated delta rule over T tokens, one snapshot plane written per token.
 
@@ -127,6 +135,7 @@ def gated_delta_rule(
     S += k (beta (v - u))^T; o = S^T q. Reads plane start % n, writes planes (start + j) % n for
     j = 1..T (T must be < n_planes). Returns o [T, Hv, dv] in v's dtype.
     """
+    start = _host(start)
     t, hk, dk = q.shape
     hv = v.shape[1]
     n = state_ring.shape[0]
@@ -213,13 +222,32 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return idx, prob
 
 
-def greedy_accept(drafts: torch.Tensor, n_drafted: int, target_tokens: torch.Tensor) -> tuple[int, int]:
-    """Greedy acceptance: the longest prefix of drafts equal to the target's picks, then the bonus.
+def greedy_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_tokens: torch.Tensor,
+    p_min: float,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Greedy acceptance, written into device buffers so no host decision sits inside a round.
 
-    drafts [n] (first n_drafted valid), target_tokens [n_drafted + 1] (the target's argmax at each verify
-    row). Returns (accepted count k, bonus token = target_tokens[k]).
+    drafts [n] int64 and draft_probs [n] fp32 (n >= 0); target_tokens [n+1] int64 (the target's argmax
+    at each verify row). A draft counts only while every draft before it, and itself, has prob >= p_min
+    (n_valid). k = longest prefix of the valid drafts equal to the target's picks; the bonus token is
+    target_tokens[k]. Writes out[0] = k + 1 (tokens emitted), out[1] = n_valid, out[2 : 3 + k] = drafts[:k]
+    then the bonus, and adds k + 1 to cache_len[0] (the target consumed the last token and k drafts).
+    out must hold n + 3 int64.
     """
+    n = drafts.shape[0]
+    n_valid = 0
+    while n_valid < n and float(draft_probs[n_valid]) >= p_min:
+        n_valid += 1
     k = 0
-    while k < n_drafted and int(drafts[k]) == int(target_tokens[k]):
+    while k < n_valid and int(drafts[k]) == int(target_tokens[k]):
         k += 1
-    return k, int(target_tokens[k])
+    out[0] = k + 1
+    out[1] = n_valid
+    out[2 : 2 + k] = drafts[:k]
+    out[2 + k] = target_tokens[k]
+    cache_len[0] += k + 1
