@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -10,10 +11,14 @@ from typing import Any
 
 import torch
 
+from kernels import ops as kernel_ops
+from kernels.ops import cuda_enabled as ops_use_cuda
+
 from .config import ModelConfig
 from .errors import EngineError, ModelLoadError
 from .loader import DTYPES, load_weights
 from .model import Model
+from .plans import PlanPool
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import prefill, run_round
 from .state import Session, SessionState
@@ -55,6 +60,20 @@ def _parse_device(device: str) -> torch.device:
     return dev
 
 
+def _enable_kernels(dev: torch.device) -> str:
+    """CUDA devices use the CuPy kernels; without CuPy (or with the wrong CUDA major) fall back to the
+    PyTorch references with a one-line notice on stderr."""
+    if dev.type != "cuda":
+        return "PyTorch reference ops (CPU)"
+    if kernel_ops.cuda_enabled():
+        return "CUDA kernels"
+    ok, reason = kernel_ops.use_cuda_kernels(True)
+    if not ok:
+        print(f"specdeck: notice: {reason}; using the PyTorch reference ops (slower)", file=sys.stderr)
+        return f"PyTorch reference ops ({reason})"
+    return "CUDA kernels"
+
+
 class Engine:
     """A loaded model. Use `Engine.load(...)`; the rest of this class is the public API."""
 
@@ -88,6 +107,7 @@ class Engine:
         if not isinstance(max_context, int) or max_context < 16:
             raise EngineError(f"max_context must be an integer >= 16, got {max_context!r}")
         dev = _parse_device(device)
+        notice = _enable_kernels(dev)
         cfg = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer(path, cfg.eos_token_ids)
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -95,8 +115,15 @@ class Engine:
                 f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens, more than the "
                 f"model's vocab_size {cfg.vocab_size}"
             )
-        weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
-        return cls(Model(cfg, weights, has_mtp), tokenizer, path, max_context)
+        try:
+            weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
+        except torch.OutOfMemoryError:
+            raise EngineError(
+                f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
+            ) from None
+        eng = cls(Model(cfg, weights, has_mtp), tokenizer, path, max_context)
+        eng.kernel_notice = notice
+        return eng
 
     # ---- information ----------------------------------------------------------------------------
     @property
@@ -117,6 +144,7 @@ class Engine:
             "parameters": params,
             "max_context": self.max_context,
             "devices": [str(self.model.device)],
+            "kernels": getattr(self, "kernel_notice", ""),
         }
 
     def memory(self) -> dict[str, int]:
@@ -127,7 +155,7 @@ class Engine:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 weights += t.numel() * t.element_size()
-        kv = planes = work = 0
+        kv = planes = work = pools = 0
         for sess in self._sessions():
             st = sess.state
             kv += sum(
@@ -136,7 +164,8 @@ class Engine:
             )
             planes += sum(b.numel() * b.element_size() for b in [*st.delta_planes.values(), *st.conv_planes.values()])
             work += st.hidden.numel() * st.hidden.element_size()
-        return {"weights": weights, "kv_cache": kv, "snapshot_planes": planes, "graph_pools": 0, "workspace": work}
+            pools += sess.plans.pool_bytes
+        return {"weights": weights, "kv_cache": kv, "snapshot_planes": planes, "graph_pools": pools, "workspace": work}
 
     def check_settings(self, settings: EngineSettings) -> None:
         """Raise EngineError when valid settings still do not fit this model."""
@@ -151,7 +180,7 @@ class Engine:
         state = SessionState(
             self.cfg, self.model.device, self.model.dtype, self.max_context, self.n_planes, self.model.has_mtp
         )
-        sess = Session(state, settings)
+        sess = Session(state, PlanPool(self.model.device, capturable=ops_use_cuda()), settings)
         self._all_sessions.append(sess)
         return sess
 
@@ -251,6 +280,7 @@ class Engine:
                     out = run_round(
                         self.model,
                         state,
+                        sess.plans,
                         settings,
                         max_new_tokens - len(generated),
                         self.tokenizer.eos_token_ids,
@@ -284,6 +314,9 @@ class Engine:
                     time_host_s=(t_end - t_host)
                     + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
                     time_round_s=t_end - t_start,
+                    plan_hits=out.plan_hits,
+                    plan_misses=out.plan_misses,
+                    plan_capture_s=out.plan_capture_s,
                 )
                 stats.add(ev)
                 if done:

@@ -41,7 +41,7 @@ class Model:
         return F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
 
     def _attention(
-        self, p: str, x: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         t = x.shape[0]
@@ -52,7 +52,7 @@ class Model:
         v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, cfg.num_key_value_heads, d)
         q = ops.rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = ops.rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        positions = torch.arange(start, start + t, device=x.device)
+        positions = torch.arange(t, device=x.device) + start
         q = ops.rope_partial(q, positions, self.inv_freq)
         k = ops.rope_partial(k, positions, self.inv_freq)
         ops.kv_write(k_cache, v_cache, k, v, start)
@@ -60,7 +60,9 @@ class Model:
         out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return F.linear(out, w[p + "self_attn.o_proj.weight"])
 
-    def _delta_net(self, i: int, x: torch.Tensor, state: SessionState, start: int, recurrent: bool) -> torch.Tensor:
+    def _delta_net(
+        self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
+    ) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         p = f"layers.{i}.linear_attn."
         t = x.shape[0]
@@ -84,15 +86,24 @@ class Model:
     def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
         """Consume T tokens at positions state.target_len ..; returns post-norm hidden states [T, H].
 
-        Writes KV, snapshot planes and their position tags; the caller computes logits from the hiddens
-        it needs (all rows for verify, the last row for prefill).
+        Writes KV and snapshot planes, and tags the planes (host bookkeeping). Used for prefill and by
+        tests; decode rounds call `forward_layers` with a device-side start and tag the planes themselves.
         """
-        cfg, w = self.cfg, self.w
         start = state.target_len
         t = ids.shape[0]
         if start + t > state.max_context:
             raise ValueError(f"context overflow: {start + t} > {state.max_context}")
         recurrent = t <= min(RECURRENT_MAX_TOKENS, state.n_planes - 1)
+        hidden = self.forward_layers(ids, state, start, recurrent)
+        state.record_batch(start, t, every_plane=recurrent)
+        return hidden
+
+    def forward_layers(
+        self, ids: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
+    ) -> torch.Tensor:
+        """The target's layers over T tokens starting at `start` (a host int, or a device tensor, which is
+        what a captured graph reads). Pure device work: no host bookkeeping, no host reads with kernels."""
+        cfg, w = self.cfg, self.w
         x = F.embedding(ids, w["embed_tokens.weight"])
         eps = cfg.rms_norm_eps
         for i, kind in enumerate(cfg.layer_types):
@@ -104,7 +115,6 @@ class Model:
                 h = self._delta_net(i, h, state, start, recurrent)
             h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + self._mlp(p, h)
-        state.record_batch(start, t, every_plane=recurrent)
         return ops.rmsnorm(x, w["norm.weight"], eps)
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:

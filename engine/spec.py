@@ -3,10 +3,21 @@
 State contract at a round boundary (see engine/state.py): the session has N committed tokens; the target
 has consumed the first N-1 (the last committed token is the next verify input); hidden[r] holds the
 target's post-norm hidden of every consumed position r >= mtp_len.
+
+Data flow of one round (the same code on every device; on CUDA the two device phases are captured graphs):
+  host  stages [target length, first pending MTP row, last token, catch-up tokens] into static buffers
+  draft MTP catch-up rows + step 1, then steps 2..n; chain on: argmax on the device, (token, prob) into
+        ids_buf / probs_buf — no host decision; chain off: each step's full vocabulary row goes to the
+        host, which picks (the seed's "before")
+  verify target over ids_buf[:n+1]; hidden rows into state.hidden; argmax; greedy acceptance writes the
+        emitted count, the tokens and the new cache length into device buffers
+  read  out_buf -> pinned host memory: the round's one device-to-host synchronisation
+  host  tags the snapshot planes, rolls back to the accepted length, applies EOS and the token budget
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +28,14 @@ from kernels import ops
 
 from .errors import EngineError
 from .model import Model
-from .settings import EngineSettings
+from .plans import PlanPool
+from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .state import SessionState
 
 # A test drafter: given the committed tokens and the depth, propose drafts (replaces the MTP head).
 Drafter = Callable[[list[int], int], list[int]]
+# Catch-up widths above this (after a prompt or plain-greedy rounds) run eagerly, never as a plan.
+MAX_PLANNED_CATCHUP = MAX_DRAFT_DEPTH + 1
 
 
 @dataclass
@@ -35,11 +49,9 @@ class RoundOutcome:
     time_accept_s: float
     hit_eos: bool
     cancelled: bool = False
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    plan_hits: int = 0
+    plan_misses: int = 0
+    plan_capture_s: float = 0.0
 
 
 def prefill(model: Model, state: SessionState) -> int:
@@ -64,43 +76,109 @@ def refill(model: Model, state: SessionState) -> None:
     prefill(model, state)
 
 
-def _draft(
-    model: Model, state: SessionState, settings: EngineSettings, max_drafts: int
-) -> tuple[list[int], list[float]]:
-    """MTP drafting. First forward = the catch-up rows plus draft step 1; then one row per step."""
-    n = len(state.tokens)
-    if n < 2 or max_drafts <= 0:
-        return [], []
-    first = state.mtp_len
-    toks = torch.tensor(state.tokens[first + 1 : n], dtype=torch.long, device=model.device)
-    y = model.mtp_forward(toks, state.hidden[first : n - 1], first, state)[-1:]
-    state.mtp_len = n - 1
-    sub = settings.sub_vocab if settings.chain else 0
-    drafts: list[int] = []
-    probs: list[float] = []
-    for step in range(max_drafts):
-        if settings.chain:
-            # Pick on the device; only (token, prob) leave the op.
-            tok_t, prob_t = ops.argmax_prob(model.lm_head(y, sub), sub)
-            tok, prob = int(tok_t[0]), float(prob_t[0])
+class _Clock:
+    """Phase timing: CUDA events on the GPU (read after the round's one sync), wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
         else:
-            # The "before": the whole vocabulary row goes to the host, which picks.
-            row = model.lm_head(y).float().cpu()[0]
-            tok = int(row.argmax())
-            prob = float(torch.softmax(row, dim=-1)[tok])
-        if prob < settings.p_min:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        if self.cuda:
+            return [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+@contextlib.contextmanager
+def allowed_sync(device: torch.device):
+    """Marks the one synchronisation a round is allowed: under torch.cuda.set_sync_debug_mode("error")
+    (the GPU test's guard against hidden host round trips), this read alone is let through."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def _stage(state: SessionState, values: list[int]) -> None:
+    """Copy [target_len, mtp_first, last_token, catch-up tokens...] into the static device buffers."""
+    host = state.stage_host
+    host[: len(values)] = torch.tensor(values, dtype=torch.long)
+    dev = state.start_buf.device
+    src = host[: len(values)].to(dev, non_blocking=True) if dev.type == "cuda" else host[: len(values)]
+    state.start_buf.copy_(src[0:1])
+    state.mtp_start_buf.copy_(src[1:2])
+    state.ids_buf[0:1].copy_(src[2:3])
+    if len(values) > 3:
+        state.mtp_tok_buf[: len(values) - 3].copy_(src[3:])
+
+
+def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub: int) -> None:
+    """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
+    rows = state.mtp_start_buf + torch.arange(width, device=model.device)
+    y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
+    y = y[-1:]
+    for s in range(depth):
+        tok, prob = ops.argmax_prob(model.lm_head(y, sub), sub)
+        state.ids_buf[1 + s : 2 + s].copy_(tok)
+        state.probs_buf[s : s + 1].copy_(prob)
+        if s + 1 < depth:
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+
+
+def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min: float) -> int:
+    """The "before": one submission per step, the full vocabulary row copied to the host, picked there."""
+    rows = state.mtp_start_buf + torch.arange(width, device=model.device)
+    y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
+    y = y[-1:]
+    n = 0
+    for s in range(depth):
+        row = model.lm_head(y).float().cpu()[0]
+        tok = int(row.argmax())
+        prob = float(torch.softmax(row, dim=-1)[tok])
+        if prob < p_min:
             break
-        drafts.append(tok)
-        probs.append(prob)
-        if step + 1 < max_drafts:
-            t = torch.tensor([tok], dtype=torch.long, device=model.device)
-            y = model.mtp_forward(t, y, n - 1 + step, state)
-    return drafts, probs
+        state.ids_buf[1 + s] = tok
+        n += 1
+        if s + 1 < depth:
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+    state.probs_buf[:n].fill_(1.0)  # already filtered by p_min on the host
+    return n
+
+
+def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None:
+    """Target over ids_buf[:width]; hidden rows saved; greedy acceptance into out_buf / cache_len_buf."""
+    hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
+    rows = state.start_buf + torch.arange(width, device=model.device)
+    state.hidden.index_copy_(0, rows, hidden)
+    target_tokens, _ = ops.argmax_prob(model.lm_head(hidden), 0)
+    state.cache_len_buf.copy_(state.start_buf)
+    ops.greedy_accept(
+        state.ids_buf[1:width],
+        state.probs_buf[: width - 1],
+        target_tokens,
+        p_min,
+        state.cache_len_buf,
+        state.out_buf[: width + 2],
+    )
 
 
 def run_round(
     model: Model,
     state: SessionState,
+    plans: PlanPool,
     settings: EngineSettings,
     budget: int,
     eos_ids: frozenset[int],
@@ -116,41 +194,59 @@ def run_round(
     n = len(state.tokens)
     if state.target_len != n - 1:
         refill(model, state)
+    hits0, misses0, cap0 = plans.counters()
+    pool = settings.plan_pool
+    clock = _Clock(model.device)
     t0 = time.perf_counter()
+    clock.mark()
     # Drafts beyond what may be emitted or what fits the context are wasted work: cap them.
-    max_drafts = min(settings.draft_depth, budget - 1, state.max_context - n) if settings.speculative else 0
-    drafts: list[int] = []
-    probs: list[float] = []
+    depth = max(0, min(settings.draft_depth, budget - 1, state.max_context - n)) if settings.speculative else 0
+    first = state.mtp_len
+    width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1
+    use_mtp = drafter is None and model.has_mtp and depth > 0 and width_mtp > 0
+    _stage(state, [n - 1, first, state.tokens[-1], *(state.tokens[first + 1 : n] if use_mtp else [])])
+
+    n_drafts = depth
+    p_min = settings.p_min
     if drafter is not None:
-        drafts = list(drafter(list(state.tokens), max(max_drafts, 0)))[: max(max_drafts, 0)]
-        probs = [1.0] * len(drafts)
-    elif model.has_mtp:
-        drafts, probs = _draft(model, state, settings, max_drafts)
-    _sync(model.device)
-    t1 = time.perf_counter()
+        proposal = list(drafter(list(state.tokens), depth))[:depth]
+        n_drafts = len(proposal)
+        if proposal:
+            state.ids_buf[1 : 1 + n_drafts] = torch.tensor(proposal, dtype=torch.long)
+            state.probs_buf[:n_drafts].fill_(1.0)
+        p_min = 0.0
+    elif not use_mtp:
+        n_drafts = 0
+    elif settings.chain:
+        sub = settings.sub_vocab
+        if width_mtp <= MAX_PLANNED_CATCHUP:
+            plans.run(("draft", width_mtp, depth, sub), pool, lambda: _draft_chain(model, state, width_mtp, depth, sub))
+        else:
+            _draft_chain(model, state, width_mtp, depth, sub)
+    else:
+        n_drafts = _draft_host(model, state, width_mtp, depth, p_min)
+        p_min = 0.0
+    if use_mtp:
+        state.mtp_len = n - 1
+    clock.mark()
     if is_cancelled():
-        return RoundOutcome([], [], 0, 0, t1 - t0, 0.0, 0.0, False, cancelled=True)
+        return RoundOutcome([], [], 0, 0, time.perf_counter() - t0, 0.0, 0.0, False, cancelled=True)
 
-    dev = model.device
-    ids = torch.tensor([state.tokens[-1], *drafts], dtype=torch.long, device=dev)
-    hidden = model.forward(ids, state)
-    target_tokens, _ = ops.argmax_prob(model.lm_head(hidden), 0)
-    cache_len = torch.tensor([n - 1], dtype=torch.long, device=dev)
-    out = torch.empty(len(drafts) + 3, dtype=torch.long, device=dev)
-    ops.greedy_accept(
-        torch.tensor(drafts, dtype=torch.long, device=dev),
-        torch.tensor(probs, dtype=torch.float32, device=dev),
-        target_tokens,
-        settings.p_min if drafter is None else 0.0,
-        cache_len,
-        out,
-    )
-    got = out.tolist()  # the round's one device-to-host read
-    t2 = time.perf_counter()
+    width = n_drafts + 1
+    plans.run(("verify", width, p_min), pool, lambda: _verify(model, state, width, p_min))
+    clock.mark()
+    out_host = state.out_host[: width + 2]
+    with allowed_sync(model.device):  # the round's one device-to-host synchronisation
+        out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
+        if model.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+    got = out_host.tolist()
+    clock.mark()
+    t_read = time.perf_counter()
 
-    k = got[0] - 1
-    emitted = got[2 : 2 + k + 1]
-    from_draft = [True] * k + [False]
+    e, n_valid = got[0], got[1]
+    emitted = got[2 : 2 + e]
+    from_draft = [True] * (e - 1) + [False]
     hit_eos = False
     for i, tok in enumerate(emitted):
         if tok in eos_ids:
@@ -158,10 +254,23 @@ def run_round(
             break
     emitted, from_draft = emitted[:budget], from_draft[:budget]
     e = len(emitted)
-    state.hidden[n - 1 : n - 1 + e] = hidden[:e]
     state.tokens.extend(emitted)
+    state.record_batch(n - 1, width, every_plane=True)
     if not state.rollback(n - 1 + e):
         refill(model, state)
-    _sync(model.device)
-    t3 = time.perf_counter()
-    return RoundOutcome(emitted, from_draft, len(drafts), sum(from_draft), t1 - t0, t2 - t1, t3 - t2, hit_eos)
+    t_end = time.perf_counter()
+    draft_s, verify_s, read_s = clock.spans()
+    hits1, misses1, cap1 = plans.counters()
+    return RoundOutcome(
+        emitted,
+        from_draft,
+        n_valid,
+        sum(from_draft),
+        draft_s,
+        verify_s,
+        read_s + (t_end - t_read),
+        hit_eos,
+        plan_hits=hits1 - hits0,
+        plan_misses=misses1 - misses0,
+        plan_capture_s=cap1 - cap0,
+    )

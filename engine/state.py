@@ -26,6 +26,7 @@ import threading
 import torch
 
 from .config import ModelConfig
+from .plans import PlanPool
 from .settings import EngineSettings
 
 
@@ -59,6 +60,18 @@ class SessionState:
         self.mtp_k_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
         self.mtp_v_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
         self.hidden = torch.zeros((max_context, cfg.hidden_size), device=device, dtype=dtype)
+        # Static round buffers: captured plans read and write only these (their addresses never change).
+        width = n_planes  # >= max verify width (depth + 1) + 1
+        self.start_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length before the round
+        self.mtp_start_buf = torch.zeros(1, dtype=torch.long, device=device)  # first pending MTP row
+        self.cache_len_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length after acceptance
+        self.ids_buf = torch.zeros(width, dtype=torch.long, device=device)  # verify input: last token, drafts
+        self.probs_buf = torch.ones(width, dtype=torch.float32, device=device)  # the drafts' probabilities
+        self.out_buf = torch.zeros(width + 2, dtype=torch.long, device=device)  # acceptance result
+        self.mtp_tok_buf = torch.zeros(max_context, dtype=torch.long, device=device)  # catch-up tokens
+        pinned = device.type == "cuda"
+        self.stage_host = torch.zeros(max_context + 3, dtype=torch.long, pin_memory=pinned)
+        self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
         self.legacy_clamped_planes = False
         self.reset()
@@ -121,8 +134,9 @@ class SessionState:
 class Session:
     """A handle on one independent conversation. `settings` and `cancel()` are safe from any thread."""
 
-    def __init__(self, state: SessionState, settings: EngineSettings | None = None) -> None:
+    def __init__(self, state: SessionState, plans: PlanPool, settings: EngineSettings | None = None) -> None:
         self.state = state
+        self.plans = plans
         self._settings = settings or EngineSettings()
         self._lock = threading.Lock()
         self._cancel = threading.Event()

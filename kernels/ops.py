@@ -31,3 +31,46 @@ gated_delta_rule = reference.gated_delta_rule
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
 argmax_prob = reference.argmax_prob
 greedy_accept = reference.greedy_accept
+
+_cuda_enabled = False
+
+
+def cuda_enabled() -> bool:
+    """True when the CUDA kernels are bound (so every op reads `start` on the device: capturable)."""
+    return _cuda_enabled
+
+
+def use_cuda_kernels(enable: bool) -> tuple[bool, str]:
+    """Bind every op to its CUDA kernel (enable=True) or back to the reference. Returns (enabled, reason).
+
+    The CUDA kernels dispatch CPU tensors to the reference themselves, so CPU sessions keep working."""
+    global _cuda_enabled
+    g = globals()
+    if not enable:
+        for name in NAMES:
+            g[name] = getattr(reference, name)
+        _cuda_enabled = False
+        return False, "disabled"
+    try:
+        from . import cuda
+    except Exception as exc:  # a broken CuPy install must not take the engine down
+        return False, f"CUDA kernels unavailable ({exc})"
+    ok, reason = cuda.available()
+    if not ok:
+        return False, reason
+    for name in NAMES:
+        g[name] = _by_device(getattr(cuda, name), getattr(reference, name))
+    _cuda_enabled = True
+    return True, "CUDA kernels enabled"
+
+
+def _by_device(kernel, ref):
+    """Call the CUDA kernel for CUDA tensors and the reference for CPU ones (engines on both can coexist)."""
+
+    def op(first, *args, **kwargs):
+        return (kernel if first.is_cuda else ref)(first, *args, **kwargs)
+
+    op.__name__ = kernel.__name__
+    op.__doc__ = ref.__doc__
+    op.kernel, op.reference = kernel, ref
+    return op

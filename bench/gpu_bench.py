@@ -1,0 +1,293 @@
+"""GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
+
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16] [--n 128] [--out FILE]
+
+copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
+a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
+b     each knob: chain off vs on at depths 3/5/8; sub_vocab full vs 25% vs 50%; plan_pool 1 vs depth+1
+      (p_min 0.5)
+c     the best speculative configuration of (b) vs target-only, per workload, in the seed's table format
+d     a random model of Qwen3.5-9B-like shapes built in memory (bf16), target-only: weight bytes read per
+      token / time per token, against the copy bandwidth
+bf16  speculative vs target-only in bf16: first divergence per workload and the top-2 logit gap there
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineSettings  # noqa: E402
+from engine.bench import BenchArm, run_bench  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.loader import expected_shapes  # noqa: E402
+from engine.model import Model  # noqa: E402
+from engine.workloads import load_workloads  # noqa: E402
+
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def mean_tps(eng: Engine, settings: EngineSettings, n: int, reps: int = 1) -> tuple[float, dict]:
+    """Mean generation t/s over the four workloads (fresh session each run, one warm-up)."""
+    wl = load_workloads()
+    sess = eng.new_session()
+    eng.generate(wl["code_gen"].prompt_for(eng.tokenizer), 16, settings, sess)
+    tps, acc_len = [], []
+    for _ in range(reps):
+        for w in wl.values():
+            sess.reset()
+            s = eng.generate(w.prompt_for(eng.tokenizer), n, settings, sess).stats
+            tps.append(s["tokens_per_second"])
+            acc_len.append(s["mean_accepted_length"])
+    st = s
+    return statistics.fmean(tps), {"accepted_length": statistics.fmean(acc_len), "last": st}
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * 1024**3 / statistics.median(times)
+
+
+def section_a(model_dir: Path, n: int) -> None:
+    say("== (a) bundled model, target-only: SpecDeck vs transformers generate (bf16, greedy) ==")
+    eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+    ours, _ = mean_tps(eng, EngineSettings(speculative=False, plan_pool=8), n)
+    from transformers import Qwen3_5ForCausalLM
+
+    ref = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    wl = load_workloads()
+    tps = []
+    n_hf = min(n, 64)
+    for w in wl.values():
+        ids = torch.tensor([eng.tokenizer.encode(w.prompt)], device="cuda")
+        ref.generate(ids, max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = ref.generate(ids, max_new_tokens=n_hf, min_new_tokens=n_hf, do_sample=False)
+        torch.cuda.synchronize()
+        tps.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+    hf = statistics.fmean(tps)
+    say(f"SpecDeck target-only   {ours:10.1f} t/s")
+    say(f"transformers generate  {hf:10.1f} t/s   (includes its prefill; {n_hf} new tokens)")
+    say(f"ratio                  {ours / hf:10.1f} x")
+    say()
+    del ref
+    torch.cuda.empty_cache()
+
+
+def section_b(eng: Engine, n: int) -> EngineSettings:
+    say("== (b) each knob (bundled model, bf16, mean of the four workloads) ==")
+    best, best_tps = None, 0.0
+    say(f"{'depth':>5} {'chain off t/s':>14} {'chain on t/s':>13} {'on/off':>7} {'acc.len':>8}")
+    for depth in (3, 5, 8):
+        off, _ = mean_tps(eng, EngineSettings(draft_depth=depth, chain=False, plan_pool=8), n)
+        on, info = mean_tps(eng, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), n)
+        say(f"{depth:>5} {off:>14.1f} {on:>13.1f} {on / off:>6.2f}x {info['accepted_length']:>8.2f}")
+        if on > best_tps:
+            best, best_tps = EngineSettings(draft_depth=depth, chain=True, plan_pool=8), on
+    vocab = eng.cfg.vocab_size
+    say()
+    say(f"{'sub_vocab':>10} {'t/s':>10} {'acc.len':>8}   (chain on, depth {best.draft_depth})")
+    full = None
+    for frac in (0, 0.5, 0.25):
+        sub = int(vocab * frac)
+        s = best.replace(sub_vocab=sub)
+        tps, info = mean_tps(eng, s, n)
+        full = full or tps
+        say(f"{sub or 'full':>10} {tps:>10.1f} {info['accepted_length']:>8.2f}   {tps / full:.3f}x of full")
+        if tps > best_tps:
+            best, best_tps = s, tps
+    say()
+    depth = 5
+    say(f"plan_pool with p_min 0.5, depth {depth}, chain on (catch-up widths vary 1..depth+1):")
+    say(f"{'pool':>5} {'t/s':>10} {'hits':>6} {'misses':>7} {'capture s':>10}")
+    base = None
+    for pool in (1, depth + 1):
+        s = EngineSettings(draft_depth=depth, chain=True, p_min=0.5, plan_pool=pool)
+        tps, info = mean_tps(eng, s, n)
+        st = info["last"]
+        base = base or tps
+        say(
+            f"{pool:>5} {tps:>10.1f} {st['plan_hits']:>6} {st['plan_misses']:>7} {st['plan_capture_s']:>10.3f}   {tps / base:.2f}x"
+        )
+    say()
+    say(f"best speculative configuration: {best.to_dict()}  ({best_tps:.1f} t/s)")
+    say()
+    return best
+
+
+def section_c(eng: Engine, best: EngineSettings, n: int) -> None:
+    say("== (c) best speculative configuration vs target-only, per workload (seed's tables) ==")
+    arms = [BenchArm("target-only", EngineSettings(speculative=False, plan_pool=8)), BenchArm("best spec", best)]
+    report = run_bench(eng, arms, rounds=2, max_new_tokens=n)
+    say(report.format_tables())
+    say()
+
+
+def random_9b_engine() -> Engine:
+    raw = {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    }
+    cfg = ModelConfig.from_dict(raw)
+    target, _ = expected_shapes(cfg)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = {}
+    for name, shape in target.items():
+        if name.endswith(("A_log",)):
+            w[name] = torch.log(torch.rand(shape, device="cuda", generator=g) * 8 + 0.5)
+        elif name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+            t = torch.randn(shape, device="cuda", generator=g, dtype=torch.float32) * 0.05
+            w[name] = t + 1 if "linear_attn.norm" in name else t
+        else:
+            fan_in = shape[-1]
+            t = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
+            w[name] = t.mul_(fan_in**-0.5) if len(shape) > 1 and "embed" not in name else t
+    for name in list(w):
+        if name.endswith("conv1d.weight"):
+            w[name] = w[name][:, 0, :].contiguous()
+
+    class Ids:  # the random model has no tokenizer: prompts are token ids
+        eos_token_ids = frozenset()
+        eos_token_id = None
+        chat_template = None
+        vocab_size = cfg.vocab_size
+
+        def decode(self, ids):
+            return ""
+
+        def encode(self, text):
+            raise ValueError("token ids only")
+
+    eng = Engine(Model(cfg, w, has_mtp=False), Ids(), Path("random-9b-shape"), 2048)
+    from engine.engine import _enable_kernels
+
+    eng.kernel_notice = _enable_kernels(torch.device("cuda"))
+    return eng
+
+
+def section_d(bandwidth: float) -> None:
+    say("== (d) Qwen3.5-9B-like shapes (random, bf16, in memory), target-only decode ==")
+    eng = random_9b_engine()
+    params = sum(t.numel() for t in eng.model.w.values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in eng.model.w.values())
+    embed = eng.model.w["embed_tokens.weight"]
+    read_per_token = weight_bytes - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
+    prompt = list(range(100, 164))
+    sess = eng.new_session()
+    s = EngineSettings(speculative=False, plan_pool=8)
+    eng.generate(prompt, 16, s, sess)
+    sess.reset()
+    res = eng.generate(prompt, 128, s, sess).stats
+    tps = res["tokens_per_second"]
+    achieved = read_per_token * tps
+    say(f"parameters               {params / 1e9:.2f} B")
+    say(f"weight bytes read/token  {read_per_token / 1e9:.2f} GB")
+    say(f"target-only decode       {tps:.1f} t/s  ({1000 / tps:.2f} ms/token)")
+    say(
+        f"achieved read bandwidth  {achieved / 1e12:.2f} TB/s = {100 * achieved / bandwidth:.0f}% of the copy bandwidth"
+    )
+    say(f"copy-bandwidth bound     {bandwidth / read_per_token:.1f} t/s")
+    say()
+    del eng, sess
+    torch.cuda.empty_cache()
+
+
+def section_bf16(model_dir: Path, n: int) -> None:
+    say("== bf16: speculative (depth 5, chain) vs target-only, first divergence per workload ==")
+    eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+    for name, w in load_workloads().items():
+        prompt = eng.tokenizer.encode(w.prompt_for(eng.tokenizer))
+        a = eng.generate(prompt, n, EngineSettings(speculative=False), eng.new_session()).tokens
+        b = eng.generate(prompt, n, EngineSettings(draft_depth=5, chain=True), eng.new_session()).tokens
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is None:
+            say(f"{name:<10} identical over {n} tokens")
+            continue
+        logits = eng.logits(prompt + a[:first])[-1]
+        top2 = torch.topk(logits, 2).values
+        say(
+            f"{name:<10} first divergence at token {first}: target-only {a[first]} vs spec {b[first]}, "
+            f"top-2 logit gap there {float(top2[0] - top2[1]):.4f}"
+        )
+    say()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--sections", default="copy,a,b,c,d,bf16")
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from engine import bundled_model_dir
+
+    model_dir = Path(a.model) if a.model else bundled_model_dir()
+    sections = a.sections.split(",")
+    say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}")
+    bw = 0.0
+    if "copy" in sections or "d" in sections:
+        bw = copy_bandwidth()
+        say(f"device copy bandwidth (2 x bytes / time): {bw / 1e12:.2f} TB/s")
+        say()
+    try:
+        if "a" in sections:
+            section_a(model_dir, a.n)
+        if "b" in sections or "c" in sections:
+            eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+            best = section_b(eng, a.n) if "b" in sections else EngineSettings(draft_depth=5, plan_pool=8)
+            if "c" in sections:
+                section_c(eng, best, a.n)
+            del eng
+        if "d" in sections:
+            section_d(bw)
+        if "bf16" in sections:
+            section_bf16(model_dir, a.n)
+    finally:
+        if a.out:
+            Path(a.out).write_text("\n".join(LINES) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

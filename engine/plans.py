@@ -1,0 +1,62 @@
+"""Plans: captured CUDA graphs keyed by the shape of the work (batch width, depth, ...), kept in an LRU pool.
+
+`plan_pool` = how many are kept; 0 = no graphs (eager launches). A round whose shape is not cached runs
+eagerly (which also warms every kernel and cuBLAS up) and then captures the same work for next time;
+the pool counts hits, misses and capture time. On the CPU, or when CUDA kernels are not in use (the
+references read the cache length on the host, which a graph cannot), plans always run eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+
+class PlanPool:
+    def __init__(self, device: torch.device, capturable: bool) -> None:
+        self.device = device
+        self.capturable = capturable and device.type == "cuda"
+        self.graphs: OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+        self._mempool = torch.cuda.graph_pool_handle() if self.capturable else None
+
+    def run(self, key: Hashable, capacity: int, work: Callable[[], Any]) -> Any:
+        """Run `work` (device work on static buffers only) as a captured graph when possible."""
+        if not self.capturable or capacity <= 0:
+            self.clear()
+            return work()
+        entry = self.graphs.get(key)
+        if entry is not None:
+            self.graphs.move_to_end(key)
+            self.hits += 1
+            entry[0].replay()
+            return entry[1]
+        self.misses += 1
+        result = work()  # this round's real work, eagerly; it also warms everything up for capture
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            outputs = work()  # recorded, not executed
+        self.pool_bytes += max(0, torch.cuda.memory_allocated(self.device) - before)
+        self.capture_s += time.perf_counter() - t0
+        self.graphs[key] = (graph, outputs)
+        self._evict(capacity)
+        return result
+
+    def _evict(self, capacity: int) -> None:
+        while len(self.graphs) > capacity:
+            self.graphs.popitem(last=False)
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def counters(self) -> tuple[int, int, float]:
+        return self.hits, self.misses, self.capture_s
