@@ -21,11 +21,12 @@ from .model import Model
 from .plans import PlanPool
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import prefill, run_round
-from .state import Session, SessionState
+from .state import Session
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+MEMORY_KEYS = ("weights", "kv_cache", "snapshot_planes", "graph_pools", "workspace")
 
 
 def bundled_model_dir() -> Path:
@@ -94,7 +95,10 @@ class Engine:
         device: str = "cpu",
         dtype: str = "float32",
         max_context: int = 4096,
+        devices: list[str] | None = None,
     ) -> Engine:
+        """Load a model directory. `devices` (e.g. ["cuda:0", "cuda:1"], or ["cpu", "cpu"] to test the split
+        on one machine) splits the model tensor-parallel across them; otherwise it runs on `device`."""
         path = bundled_model_dir() if model_dir is None else Path(model_dir).expanduser()
         if not path.exists():
             raise ModelLoadError(f"{path}: model directory does not exist")
@@ -106,7 +110,8 @@ class Engine:
             raise EngineError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
         if not isinstance(max_context, int) or max_context < 16:
             raise EngineError(f"max_context must be an integer >= 16, got {max_context!r}")
-        dev = _parse_device(device)
+        devs = [_parse_device(d) for d in devices] if devices else [_parse_device(device)]
+        dev = devs[0]
         notice = _enable_kernels(dev)
         cfg = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer(path, cfg.eos_token_ids)
@@ -115,22 +120,27 @@ class Engine:
                 f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens, more than the "
                 f"model's vocab_size {cfg.vocab_size}"
             )
+        several_gpus = len({str(d) for d in devs}) > 1
         try:
-            weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
+            weights, has_mtp = load_weights(path, cfg, torch.device("cpu") if several_gpus else dev, DTYPES[dtype])
         except torch.OutOfMemoryError:
             raise EngineError(
                 f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
             ) from None
-        eng = cls(Model(cfg, weights, has_mtp), tokenizer, path, max_context)
+        if len(devs) > 1:
+            from .tp import TPModel
+
+            model = TPModel(cfg, weights, has_mtp, devs)
+        else:
+            model = Model(cfg, weights, has_mtp)
+        eng = cls(model, tokenizer, path, max_context)
         eng.kernel_notice = notice
         return eng
 
     # ---- information ----------------------------------------------------------------------------
     @property
     def info(self) -> dict[str, Any]:
-        params = sum(
-            t.numel() for n, t in self.model.w.items() if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)
-        )
+        params = self.model.parameter_count
         return {
             "name": self.model_dir.name,
             "model_dir": str(self.model_dir),
@@ -143,29 +153,40 @@ class Engine:
             "dtype": str(self.model.dtype).replace("torch.", ""),
             "parameters": params,
             "max_context": self.max_context,
-            "devices": [str(self.model.device)],
+            "devices": self.model.device_names,
             "kernels": getattr(self, "kernel_notice", ""),
         }
 
     def memory(self) -> dict[str, int]:
-        """Bytes per component, counted from the tensors the engine holds."""
+        """Bytes per component, all devices together, counted from the tensors the engine holds."""
+        total: dict[str, int] = {}
+        for per_device in self.memory_by_device().values():
+            for key, value in per_device.items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def memory_by_device(self) -> dict[str, dict[str, int]]:
+        """Bytes per device and component: weights, kv_cache, snapshot_planes, graph_pools, workspace."""
+        out: dict[str, dict[str, int]] = {}
         seen: set[int] = set()
-        weights = 0
-        for t in self.model.w.values():
-            if t.data_ptr() not in seen:
+
+        def add(tensors: list[torch.Tensor], key: str) -> None:
+            for t in tensors:
+                if t.data_ptr() in seen:
+                    continue
                 seen.add(t.data_ptr())
-                weights += t.numel() * t.element_size()
-        kv = planes = work = pools = 0
+                entry = out.setdefault(str(t.device), dict.fromkeys(MEMORY_KEYS, 0))
+                entry[key] += t.numel() * t.element_size()
+
+        for tensors in self.model.weight_tensors().values():
+            add(tensors, "weights")
         for sess in self._sessions():
-            st = sess.state
-            kv += sum(
-                b.numel() * b.element_size()
-                for b in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache]
-            )
-            planes += sum(b.numel() * b.element_size() for b in [*st.delta_planes.values(), *st.conv_planes.values()])
-            work += st.hidden.numel() * st.hidden.element_size()
-            pools += sess.plans.pool_bytes
-        return {"weights": weights, "kv_cache": kv, "snapshot_planes": planes, "graph_pools": pools, "workspace": work}
+            for key, tensors in sess.state.buffers().items():
+                add(tensors, key)
+            if sess.plans.pool_bytes:
+                entry = out.setdefault(str(self.model.device), dict.fromkeys(MEMORY_KEYS, 0))
+                entry["graph_pools"] += sess.plans.pool_bytes
+        return out
 
     def check_settings(self, settings: EngineSettings) -> None:
         """Raise EngineError when valid settings still do not fit this model."""
@@ -177,10 +198,9 @@ class Engine:
 
     # ---- sessions -------------------------------------------------------------------------------
     def new_session(self, settings: EngineSettings | None = None) -> Session:
-        state = SessionState(
-            self.cfg, self.model.device, self.model.dtype, self.max_context, self.n_planes, self.model.has_mtp
-        )
-        sess = Session(state, PlanPool(self.model.device, capturable=ops_use_cuda()), settings)
+        state = self.model.new_state(self.max_context, self.n_planes)
+        plans = PlanPool(self.model.device, capturable=ops_use_cuda() and self.model.capturable)
+        sess = Session(state, plans, settings)
         self._all_sessions.append(sess)
         return sess
 
@@ -203,7 +223,7 @@ class Engine:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Target logits [T, vocab] for a fresh sequence; leaves no state behind."""
         ids = self._check_ids(list(token_ids), 0)
-        state = SessionState(self.cfg, self.model.device, self.model.dtype, len(ids) + 1, self.n_planes, False)
+        state = self.model.new_state(len(ids) + 1, self.n_planes)
         with torch.inference_mode():
             return self.model.lm_head(self.model.forward(torch.tensor(ids, device=self.model.device), state)).float()
 

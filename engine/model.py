@@ -32,6 +32,9 @@ class Model:
             cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot)
         )
         self.scale = cfg.head_dim**-0.5
+        tied = cfg.tie_word_embeddings
+        self.parameter_count = sum(t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight"))
+        self.device_names = [str(self.device)]
 
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
@@ -116,6 +119,29 @@ class Model:
             h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
             x = x + self._mlp(p, h)
         return ops.rmsnorm(x, w["norm.weight"], eps)
+
+    def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device."""
+        return ops.argmax_prob(self.lm_head(hidden, n), n)
+
+    def configure(self, settings) -> None:
+        """Apply settings that change what the model holds (one device: nothing to do)."""
+
+    @property
+    def plan_tag(self) -> tuple:
+        """Anything beyond the batch shape that a captured plan depends on."""
+        return ()
+
+    @property
+    def capturable(self) -> bool:
+        return self.device.type == "cuda"
+
+    def new_state(self, max_context: int, n_planes: int) -> SessionState:
+        return SessionState(self.cfg, self.device, self.dtype, max_context, n_planes, self.has_mtp)
+
+    def weight_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held, by device (shared tensors counted once)."""
+        return {str(self.device): list(self.w.values())}
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
         """Logits over the first `rows` vocabulary ids (0 = all): the sub-vocab head is a view."""

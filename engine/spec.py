@@ -131,7 +131,7 @@ def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub:
     y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
     y = y[-1:]
     for s in range(depth):
-        tok, prob = ops.argmax_prob(model.lm_head(y, sub), sub)
+        tok, prob = model.pick(y, sub)
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
@@ -163,7 +163,7 @@ def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
     rows = state.start_buf + torch.arange(width, device=model.device)
     state.hidden.index_copy_(0, rows, hidden)
-    target_tokens, _ = ops.argmax_prob(model.lm_head(hidden), 0)
+    target_tokens, _ = model.pick(hidden, 0)
     state.cache_len_buf.copy_(state.start_buf)
     ops.greedy_accept(
         state.ids_buf[1:width],
@@ -194,6 +194,7 @@ def run_round(
     n = len(state.tokens)
     if state.target_len != n - 1:
         refill(model, state)
+    model.configure(settings)
     hits0, misses0, cap0 = plans.counters()
     pool = settings.plan_pool
     clock = _Clock(model.device)
@@ -220,7 +221,11 @@ def run_round(
     elif settings.chain:
         sub = settings.sub_vocab
         if width_mtp <= MAX_PLANNED_CATCHUP:
-            plans.run(("draft", width_mtp, depth, sub), pool, lambda: _draft_chain(model, state, width_mtp, depth, sub))
+            plans.run(
+                ("draft", width_mtp, depth, sub, *model.plan_tag),
+                pool,
+                lambda: _draft_chain(model, state, width_mtp, depth, sub),
+            )
         else:
             _draft_chain(model, state, width_mtp, depth, sub)
     else:
@@ -233,7 +238,7 @@ def run_round(
         return RoundOutcome([], [], 0, 0, time.perf_counter() - t0, 0.0, 0.0, False, cancelled=True)
 
     width = n_drafts + 1
-    plans.run(("verify", width, p_min), pool, lambda: _verify(model, state, width, p_min))
+    plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
     clock.mark()
     out_host = state.out_host[: width + 2]
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation

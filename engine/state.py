@@ -41,12 +41,14 @@ class SessionState:
         max_context: int,
         n_planes: int,
         has_mtp: bool,
+        caches: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.shards: list[SessionState] = []  # tensor parallel: each shard's caches (this state keeps none)
         self.max_context = max_context
         self.n_planes = n_planes
-        full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
-        linear = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] if caches else []
+        linear = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"] if caches else []
         kv_shape = (max_context, cfg.num_key_value_heads, cfg.head_dim)
         self.k_cache = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in full}
         self.v_cache = {i: torch.zeros(kv_shape, device=device, dtype=dtype) for i in full}
@@ -56,7 +58,7 @@ class SessionState:
         self.conv_planes = {i: torch.zeros((n_planes, cfg.conv_dim, k1), device=device, dtype=dtype) for i in linear}
         self.plane_pos = [-1] * n_planes
         self.has_mtp = has_mtp
-        n_mtp = cfg.mtp_num_hidden_layers if has_mtp else 0
+        n_mtp = cfg.mtp_num_hidden_layers if has_mtp and caches else 0
         self.mtp_k_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
         self.mtp_v_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
         self.hidden = torch.zeros((max_context, cfg.hidden_size), device=device, dtype=dtype)
@@ -86,6 +88,8 @@ class SessionState:
             planes[0].zero_()
         for planes in self.conv_planes.values():
             planes[0].zero_()
+        for shard in getattr(self, "shards", []):
+            shard.reset()
         self.plane_pos = [-1] * self.n_planes
         self.plane_pos[0] = 0
 
@@ -97,6 +101,21 @@ class SessionState:
         for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
             planes[1:].fill_(value)
         self.hidden.fill_(value)
+        for shard in self.shards:
+            shard.fill_for_test(value)
+
+    def buffers(self) -> dict[str, list[torch.Tensor]]:
+        """State tensors by component (for the memory breakdown), this state's and its shards'."""
+        out = {
+            "kv_cache": [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache],
+            "snapshot_planes": [*self.delta_planes.values(), *self.conv_planes.values()],
+            "workspace": [self.hidden, self.mtp_tok_buf, self.ids_buf, self.out_buf],
+        }
+        for shard in self.shards:
+            for key, tensors in shard.buffers().items():
+                if key != "workspace":
+                    out[key] += tensors
+        return out
 
     def can_rollback(self, pos: int) -> bool:
         return 0 <= pos <= self.target_len and self.plane_pos[pos % self.n_planes] == pos
