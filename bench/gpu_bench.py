@@ -150,7 +150,22 @@ def section_c(eng: Engine, best: EngineSettings, n: int) -> None:
     say()
 
 
-def random_9b_engine() -> Engine:
+class IdsOnly:
+    """The random model has no tokenizer: prompts are token ids and nothing is decoded."""
+
+    eos_token_ids = frozenset()
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids):
+        return ""
+
+    def encode(self, text):
+        raise ValueError("token ids only")
+
+
+def random_9b_engine(devices: list[str] | None = None) -> Engine:
+    """A random model of Qwen3.5-9B-like shapes, built in memory (bf16); split over `devices` if several."""
     raw = {
         "model_type": "qwen3_5_text",
         "vocab_size": 32768,
@@ -171,38 +186,35 @@ def random_9b_engine() -> Engine:
     }
     cfg = ModelConfig.from_dict(raw)
     target, _ = expected_shapes(cfg)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    build_on = torch.device(devices[0] if devices else "cuda")
+    g = torch.Generator(device=build_on).manual_seed(0)
     w = {}
     for name, shape in target.items():
         if name.endswith(("A_log",)):
-            w[name] = torch.log(torch.rand(shape, device="cuda", generator=g) * 8 + 0.5)
+            w[name] = torch.log(torch.rand(shape, device=build_on, generator=g) * 8 + 0.5)
         elif name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
-            t = torch.randn(shape, device="cuda", generator=g, dtype=torch.float32) * 0.05
+            t = torch.randn(shape, device=build_on, generator=g, dtype=torch.float32) * 0.05
             w[name] = t + 1 if "linear_attn.norm" in name else t
         else:
             fan_in = shape[-1]
-            t = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
+            t = torch.randn(shape, device=build_on, generator=g, dtype=torch.bfloat16)
             w[name] = t.mul_(fan_in**-0.5) if len(shape) > 1 and "embed" not in name else t
     for name in list(w):
         if name.endswith("conv1d.weight"):
             w[name] = w[name][:, 0, :].contiguous()
 
-    class Ids:  # the random model has no tokenizer: prompts are token ids
-        eos_token_ids = frozenset()
-        eos_token_id = None
-        chat_template = None
-        vocab_size = cfg.vocab_size
+    if devices and len(devices) > 1:
+        from engine.tp import TPModel
 
-        def decode(self, ids):
-            return ""
-
-        def encode(self, text):
-            raise ValueError("token ids only")
-
-    eng = Engine(Model(cfg, w, has_mtp=False), Ids(), Path("random-9b-shape"), 2048)
+        model = TPModel(cfg, w, False, [torch.device(d) for d in devices])
+        del w
+        torch.cuda.empty_cache()
+    else:
+        model = Model(cfg, w, has_mtp=False)
+    eng = Engine(model, IdsOnly(), Path("random-9b-shape"), 2048)
     from engine.engine import _enable_kernels
 
-    eng.kernel_notice = _enable_kernels(torch.device("cuda"))
+    eng.kernel_notice = _enable_kernels(build_on)
     return eng
 
 

@@ -1,0 +1,164 @@
+"""Multi-GPU benchmark (issue 6), all figures side by side in one run:
+
+  python bench/multi_gpu_bench.py [--devices cuda:0,cuda:1] [--n 128] [--out FILE]
+
+For the bundled model and the Qwen3.5-9B-like random model (bf16): one GPU vs the split over the listed
+devices; mirror_output on vs off, with both combining strategies (gather logits / distributed argmax);
+with vs without cached split plans; all-reduce latency per call and per decode step. Also checks, before
+timing, that the split gives logits equal (fp32, 1e-5) to one GPU and greedy-identical speculative output.
+Keep NCCL_NVLS_ENABLE=0 (set below if unset): NVLink multicast stays off on the lent machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineSettings, bundled_model_dir  # noqa: E402
+from engine.workloads import load_workloads  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import IdsOnly  # noqa: E402
+
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def tps(eng: Engine, settings: EngineSettings, n: int) -> tuple[float, int]:
+    if isinstance(eng.tokenizer, IdsOnly):  # the random model: token-id prompts, target-only
+        sess = eng.new_session()
+        prompt = list(range(100, 164))
+        eng.generate(prompt, 8, settings, sess)
+        calls0 = eng.model.reduce.calls if hasattr(eng.model, "reduce") else 0
+        sess.reset()
+        s = eng.generate(prompt, n, settings, sess).stats
+        calls = (eng.model.reduce.calls - calls0) if hasattr(eng.model, "reduce") else 0
+        return s["tokens_per_second"], calls // max(s["rounds"], 1)
+    wl = load_workloads()
+    sess = eng.new_session()
+    eng.generate(wl["code_gen"].prompt_for(eng.tokenizer), 8, settings, sess)
+    calls0 = getattr(eng.model, "reduce", None).calls if hasattr(eng.model, "reduce") else 0
+    vals, rounds = [], 0
+    for w in wl.values():
+        sess.reset()
+        s = eng.generate(w.prompt_for(eng.tokenizer), n, settings, sess).stats
+        vals.append(s["tokens_per_second"])
+        rounds += s["rounds"]
+    calls = (eng.model.reduce.calls - calls0) if hasattr(eng.model, "reduce") else 0
+    return statistics.fmean(vals), calls // max(rounds, 1)
+
+
+def allreduce_latency(eng: Engine, rows: int, reps: int = 200) -> float:
+    parts = [torch.randn(rows, eng.cfg.hidden_size, device=d, dtype=eng.model.dtype) for d in eng.model.devices]
+    for _ in range(10):
+        eng.model.reduce(parts)
+    for d in eng.model.devices:
+        torch.cuda.synchronize(d)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        eng.model.reduce(parts)
+    for d in eng.model.devices:
+        torch.cuda.synchronize(d)
+    return (time.perf_counter() - t0) / reps
+
+
+def check_equal(model_dir: Path, devices: list[str]) -> None:
+    one = Engine.load(model_dir, device=devices[0], dtype="float32")
+    two = Engine.load(model_dir, devices=devices, dtype="float32")
+    ids = one.tokenizer.encode(load_workloads()["code_echo"].prompt)[:200]
+    diff = (one.logits(ids).cpu() - two.logits(ids).cpu()).abs().max().item()
+    prompt = load_workloads()["code_gen"].prompt
+    g = one.generate(prompt, 64, EngineSettings(speculative=False)).tokens
+    same = all(
+        two.generate(prompt, 64, EngineSettings(draft_depth=5, mirror_output=m), two.new_session()).tokens == g
+        for m in (True, False)
+    )
+    say(
+        f"fp32 check: max |logits(1 GPU) - logits({len(devices)} GPUs)| = {diff:.2e} (need < 1e-5); "
+        f"speculative == greedy: {same}"
+    )
+
+
+def run_model(name: str, make_one, make_tp, n: int) -> None:
+    say(f"== {name} ==")
+    one = make_one()
+    base = EngineSettings(draft_depth=5, chain=True, plan_pool=8, speculative=one.model.has_mtp)
+    t1, _ = tps(one, base, n)
+    say(f"1 GPU                                  {t1:9.1f} t/s")
+    del one
+    torch.cuda.empty_cache()
+    tp = make_tp()
+    for mirror, combine in ((True, "-"), (False, "gather"), (False, "argmax")):
+        tp.model.combine = combine if combine != "-" else "argmax"
+        s = base.replace(mirror_output=mirror)
+        t, calls = tps(tp, s, n)
+        mem = {d: v["weights"] / 2**20 for d, v in tp.memory_by_device().items()}
+        label = f"{len(tp.model.devices)} GPUs mirror={'on ' if mirror else 'off'} combine={combine:<6}"
+        say(f"{label} {t:9.1f} t/s  {t / t1:5.2f}x  all-reduces/round {calls}  weights MiB {mem}")
+    tp.model.combine = "argmax"
+    for cached in (True, False):
+        tp.model.cache_split_plans = cached
+        t, _ = tps(tp, base, n)
+        say(f"cached split plans {'on ' if cached else 'off'}                  {t:9.1f} t/s")
+    tp.model.cache_split_plans = True
+    for rows in (1, 6):
+        lat = allreduce_latency(tp, rows)
+        per_step = 2 * tp.cfg.num_layers * lat
+        say(
+            f"all-reduce latency, {rows} row(s): {1e6 * lat:8.1f} us per call, {1e3 * per_step:6.2f} ms per decode step "
+            f"({2 * tp.cfg.num_layers} calls)"
+        )
+    say()
+    del tp
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default="cuda:0,cuda:1")
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    devices = a.devices.split(",")
+    if torch.cuda.device_count() < len({d for d in devices}):
+        print(f"needs {len(set(devices))} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    try:
+        model_dir = bundled_model_dir()
+        check_equal(model_dir, devices)
+        run_model(
+            "bundled model (bf16)",
+            lambda: Engine.load(model_dir, device=devices[0], dtype="bfloat16"),
+            lambda: Engine.load(model_dir, devices=devices, dtype="bfloat16"),
+            a.n,
+        )
+        from gpu_bench import random_9b_engine
+
+        run_model(
+            "Qwen3.5-9B-like shapes, random (bf16), target-only",
+            lambda: random_9b_engine([devices[0]]),
+            lambda: random_9b_engine(devices),
+            a.n,
+        )
+    finally:
+        if a.out:
+            Path(a.out).write_text("\n".join(LINES) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
