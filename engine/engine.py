@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -283,7 +284,7 @@ class Engine:
             state.tokens = list(ids)
             stats = RunStats()
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with self._run_failures(state), torch.inference_mode():
                 stats.prefill_tokens = prefill(self.model, state)
             stats.prefill_s = time.perf_counter() - t0
             generated: list[int] = []
@@ -296,7 +297,7 @@ class Engine:
                     return
                 settings = sess.settings
                 t_start = time.perf_counter()
-                with torch.inference_mode():
+                with self._run_failures(state), torch.inference_mode():
                     out = run_round(
                         self.model,
                         state,
@@ -349,6 +350,27 @@ class Engine:
                     return
         finally:
             sess.busy.release()
+
+    @contextlib.contextmanager
+    def _run_failures(self, state):
+        """A failure inside the engine stops this run only: the session keeps its committed text and
+        re-prefills on its next use; the caller gets one EngineError saying what happened."""
+        try:
+            yield
+        except EngineError:  # settings that do not fit: raised before the round touched state
+            raise
+        except torch.OutOfMemoryError:
+            state.forget_computed()
+            raise EngineError(
+                f"out of memory on {self.model.device} during the run; it was stopped and the session "
+                "kept its text (use a shorter context, a smaller depth or another device)"
+            ) from None
+        except Exception as exc:
+            state.forget_computed()
+            raise EngineError(
+                f"the run failed inside the engine ({type(exc).__name__}: {exc}); it was stopped and "
+                "the session kept its text"
+            ) from exc
 
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
         ev = RoundEvent(

@@ -93,6 +93,13 @@ class SessionState:
         self.plane_pos = [-1] * self.n_planes
         self.plane_pos[0] = 0
 
+    def forget_computed(self) -> None:
+        """Keep the committed tokens, drop everything computed from them (KV, planes, MTP rows): the next
+        round re-prefills. Used after a failure mid-run, so the conversation itself is never lost."""
+        tokens = list(self.tokens)
+        self.reset()
+        self.tokens = tokens
+
     def fill_for_test(self, value: float) -> None:
         """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid. Tests use it to
         prove that nothing reads a buffer before writing it."""

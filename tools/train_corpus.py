@@ -18,6 +18,7 @@ Rules (all deterministic, so the same installation gives the same corpus):
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import os
 import site
@@ -59,10 +60,8 @@ def default_roots() -> list[tuple[str, Path]]:
         p = sysconfig.get_paths().get(key)
         if p:
             sp.append(p)
-    try:
+    with contextlib.suppress(AttributeError):  # virtualenv's old site.py has no getsitepackages
         sp.extend(site.getsitepackages())
-    except AttributeError:  # pragma: no cover - virtualenv's old site.py
-        pass
     user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
     if user:
         sp.append(user)
@@ -190,8 +189,10 @@ def collect_corpus(
     salt = f"specdeck-corpus-{seed}:"
     code_files = [f for f in files if f[0].lower().endswith(CODE_EXTS)]
     prose_files = [f for f in files if f[0].lower().endswith(PROSE_EXTS)]
-    log(f"corpus: {len(files)} candidate files ({len(code_files)} .py, {len(prose_files)} prose) under "
-        + ", ".join(f"{lab}={root}" for lab, root in roots))
+    log(
+        f"corpus: {len(files)} candidate files ({len(code_files)} .py, {len(prose_files)} prose) under "
+        + ", ".join(f"{lab}={root}" for lab, root in roots)
+    )
 
     seen_hash: set[bytes] = set()
 
@@ -245,7 +246,7 @@ def collect_corpus(
             for start in range(0, len(not_code), batch):
                 if prose_bytes >= prose_cap_bytes:
                     break
-                chunk = not_code[start:start + batch]
+                chunk = not_code[start : start + batch]
                 for rel, doc in pool.map(_docstrings_of_file, chunk, chunksize=64):
                     if prose_bytes >= prose_cap_bytes:
                         break
@@ -285,7 +286,9 @@ def collect_corpus(
         "prose_cap_bytes": prose_cap_bytes,
         "seed": seed,
     }
-    log(f"corpus: train {len(train)} docs {stats['train_bytes'] / 1e6:.1f} MB "
+    log(
+        f"corpus: train {len(train)} docs {stats['train_bytes'] / 1e6:.1f} MB "
         f"(code {stats['train_code_bytes'] / 1e6:.1f} MB, prose {stats['train_prose_bytes'] / 1e6:.1f} MB), "
-        f"held-out {len(heldout)} docs {stats['heldout_bytes'] / 1e6:.1f} MB, {dup} duplicates dropped")
+        f"held-out {len(heldout)} docs {stats['heldout_bytes'] / 1e6:.1f} MB, {dup} duplicates dropped"
+    )
     return Corpus(train, heldout, stats)

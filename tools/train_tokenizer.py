@@ -56,7 +56,7 @@ def encode_docs(tok: Tokenizer, texts: Sequence[str], batch: int = 2048) -> list
     try:
         out: list[np.ndarray] = []
         for start in range(0, len(texts), batch):
-            encs = tok.encode_batch_fast(list(texts[start:start + batch]), add_special_tokens=False)
+            encs = tok.encode_batch_fast(list(texts[start : start + batch]), add_special_tokens=False)
             out.extend(np.asarray(e.ids, dtype=np.int32) for e in encs)
         return out
     finally:
@@ -146,6 +146,8 @@ def build_tokenizer(
     encoded = [perm[e].astype(np.int32) for e in encoded]
     counts = np.zeros(size, dtype=np.int64)
     counts[perm] = counts_old
-    log(f"tokenizer: vocab {size}, {int(counts.sum())} training tokens, "
-        f"{sum(len(t) for t in train_texts) / max(1, int(counts.sum())):.2f} chars/token")
+    log(
+        f"tokenizer: vocab {size}, {int(counts.sum())} training tokens, "
+        f"{sum(len(t) for t in train_texts) / max(1, int(counts.sum())):.2f} chars/token"
+    )
     return tok, encoded, counts
