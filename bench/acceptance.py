@@ -25,7 +25,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--depths", default="1-8")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     lo, _, hi = a.depths.partition("-")
     depths = list(range(int(lo), int(hi or lo) + 1))
     eng = Engine.load(a.model, device=a.device, dtype=a.dtype)

@@ -13,6 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_models import write_tiny_model  # noqa: E402
 
+try:  # the tests' models are tiny: one thread is as fast, and immune to oversubscribed cores
+    import torch
+
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     try:
