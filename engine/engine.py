@@ -199,7 +199,15 @@ class Engine:
 
     # ---- sessions -------------------------------------------------------------------------------
     def new_session(self, settings: EngineSettings | None = None) -> Session:
-        state = self.model.new_state(self.max_context, self.n_planes)
+        try:
+            state = self.model.new_state(self.max_context, self.n_planes)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not isinstance(exc, torch.OutOfMemoryError) and "alloc" not in str(exc):
+                raise
+            raise EngineError(
+                f"not enough memory on {self.model.device} for a session of max_context {self.max_context} "
+                "(KV cache, snapshot planes); load with a smaller max_context"
+            ) from None
         plans = PlanPool(self.model.device, capturable=ops_use_cuda() and self.model.capturable)
         sess = Session(state, plans, settings)
         self._all_sessions.append(sess)

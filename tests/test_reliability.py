@@ -138,3 +138,22 @@ def test_kernels_module_imports_without_cuda():
     if not torch.cuda.is_available():
         assert not enabled and reason
         assert not ops.cuda_enabled()
+
+
+def test_out_of_memory_at_load_is_one_line(tiny_model_dir, monkeypatch):
+    from engine import engine as engine_mod
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(engine_mod, "load_weights", oom)
+    with pytest.raises(EngineError, match="does not fit"):
+        Engine.load(tiny_model_dir)
+
+
+def test_too_large_a_context_is_reported_not_crashed(tiny_model_dir):
+    eng = Engine.load(tiny_model_dir, max_context=2**40)
+    with pytest.raises(EngineError, match="smaller max_context"):
+        eng.new_session()
+    small = Engine.load(tiny_model_dir, max_context=256)
+    assert len(small.generate("def", 4).tokens) == 4
