@@ -1,6 +1,6 @@
 """Micro-benchmark: each CuPy kernel (kernels/cuda.py) against its PyTorch reference, on the GPU.
 
-    python bench/kernels_bench.py [--dtype bf16|fp32] [--iters 50] [--reps 5] [--ctx 1024,8192]
+    python bench/kernels_bench.py [--dtype bf16|fp32] [--iters 50] [--reps 5] [--ctx 1024,8192,32768]
 
 Shapes: the bundled model (hidden 384, 6/2 heads of 64, linear Hk 2 / Hv 4, dk = dv = 64, vocab 16384) and
 a Qwen3.5-9B-like model (hidden 4096, 16/4 heads of 256, linear Hk 16 / Hv 32, dk = dv = 128, vocab 32768
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ctx", default="1024,8192")
+    ap.add_argument("--ctx", default="1024,8192,32768")
     ap.add_argument("--t", default="1,9")
     a = ap.parse_args()
     ok, why = kc.available()

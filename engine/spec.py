@@ -243,10 +243,10 @@ def run_round(
     out_host = state.out_host[: width + 2]
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
         out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
+        clock.mark()  # recorded before the sync, so every event is complete when the spans are read
         if model.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
     got = out_host.tolist()
-    clock.mark()
     t_read = time.perf_counter()
 
     e, n_valid = got[0], got[1]

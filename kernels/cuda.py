@@ -1,0 +1,767 @@
+"""CuPy CUDA kernels for the decode-path ops: one function per op, each with exactly the signature of its
+PyTorch reference in `kernels/reference.py` (the ground truth, see tests/test_kernels_gpu.py).
+
+- Kernels live in `cuda_src/decode_kernels.cu`, compiled by CuPy (NVRTC) once per (device, dtype) at first
+  use; `warm_up(device, dtype)` compiles, loads and runs every kernel once, so nothing is compiled or
+  loaded later (call it before capturing CUDA graphs, in the thread that captures).
+- Launches go to PyTorch's current stream (so they are captured by `torch.cuda.graph`); arguments are
+  `tensor.data_ptr()` and numpy scalars. Outputs and small workspaces are allocated with torch (shapes
+  depend only on the input shapes), never with CuPy. No op synchronises with the host.
+- `start` may be a host int or a 1-element int64 CUDA tensor; a tensor is read by the kernel from device
+  memory (what a captured graph needs), never copied to the host.
+- Tensors that are not on a CUDA device, and dtype/shape combinations the kernels do not cover, take the
+  reference path (documented per op below).
+- This module imports without CuPy or CUDA; `available()` says whether the kernels can run here.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import reference
+from .reference import Start
+
+# The chunked (GEMM) form of the delta rule is used only for prefill and stays PyTorch.
+chunk_gated_delta_rule = reference.chunk_gated_delta_rule
+
+try:  # CuPy is optional: specdeck[cuda12] / specdeck[cuda13]
+    import cupy as _cp
+
+    _CUPY_ERROR: str | None = None
+except Exception as _e:  # noqa: BLE001 - any import failure means "not available"
+    _cp = None
+    _CUPY_ERROR = (
+        "CuPy is not installed; install specdeck[cuda12] or specdeck[cuda13]"
+        if isinstance(_e, ModuleNotFoundError)
+        else f"CuPy failed to import ({type(_e).__name__}: {_e})"
+    )
+
+__all__ = [
+    "available",
+    "warm_up",
+    "rmsnorm",
+    "add_rmsnorm",
+    "gated_rmsnorm",
+    "rope_partial",
+    "kv_write",
+    "attention_cached",
+    "conv_update",
+    "gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "argmax_prob",
+    "greedy_accept",
+]
+
+_SRC_PATH = Path(__file__).resolve().parent / "cuda_src" / "decode_kernels.cu"
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OPTIONS = ("-std=c++17",)
+
+_lock = threading.Lock()
+_source_text: str | None = None
+_modules: dict[tuple[int, int], object] = {}
+_functions: dict[tuple[int, int, str], object] = {}
+_streams: dict[int, object] = {}
+_sm_count: dict[int, int] = {}
+
+
+# ---- availability ---------------------------------------------------------------------------------
+def available() -> tuple[bool, str]:
+    """(True, description) when the kernels can run here, else (False, a one-line reason)."""
+    if _cp is None:
+        return False, _CUPY_ERROR or "CuPy is not installed"
+    if torch.version.cuda is None:
+        return False, "this PyTorch build has no CUDA support"
+    try:
+        has_cuda = torch.cuda.is_available()
+    except Exception as e:  # noqa: BLE001
+        return False, f"PyTorch cannot query CUDA ({e})"
+    if not has_cuda:
+        return False, "PyTorch sees no CUDA device"
+    try:
+        cupy_rt = int(_cp.cuda.runtime.runtimeGetVersion())
+    except Exception as e:  # noqa: BLE001
+        return False, f"CuPy cannot load its CUDA runtime ({type(e).__name__}: {e})"
+    cupy_major = cupy_rt // 1000
+    torch_major = int(str(torch.version.cuda).split(".")[0])
+    if cupy_major != torch_major:
+        return False, (
+            f"CuPy was built for CUDA {cupy_major} but torch uses CUDA {torch_major}; "
+            f"install specdeck[cuda{torch_major}]"
+        )
+    try:
+        driver = int(_cp.cuda.runtime.driverGetVersion())
+    except Exception as e:  # noqa: BLE001
+        return False, f"CuPy cannot query the CUDA driver ({type(e).__name__}: {e})"
+    if driver // 1000 < cupy_major:
+        return False, f"the CUDA driver supports CUDA {driver // 1000}.x but CuPy needs CUDA {cupy_major}"
+    return True, f"CuPy {_cp.__version__} (CUDA {cupy_major}.{cupy_rt % 1000 // 10}), torch CUDA {torch.version.cuda}"
+
+
+# ---- compilation, loading, launching ----------------------------------------------------------------
+def _source() -> str:
+    global _source_text
+    if _source_text is None:
+        _source_text = _SRC_PATH.read_text()
+    return _source_text
+
+
+def _compile(kind: int):
+    code = f"#define SCALAR_KIND {kind}\n" + _source()
+    try:
+        mod = _cp.RawModule(code=code, options=_OPTIONS)
+        mod.compile()
+        return mod
+    except Exception as first:  # noqa: BLE001
+        # The CUDA half headers can clash with CuPy's bundled fp16 header under NVRTC; the kernels then
+        # use their own 2-byte storage types (same round-to-nearest-even PTX conversions).
+        try:
+            mod = _cp.RawModule(code="#define SPECDECK_OWN_HALF 1\n" + code, options=_OPTIONS)
+            mod.compile()
+            return mod
+        except Exception:  # noqa: BLE001
+            raise first from None
+
+
+def _function(dev: int, kind: int, name: str):
+    key = (dev, kind, name)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                with _cp.cuda.Device(dev):
+                    mod = _modules.get((dev, kind))
+                    if mod is None:
+                        mod = _compile(kind)
+                        _modules[(dev, kind)] = mod
+                    fn = mod.get_function(name).kernel  # the loaded cupy.cuda.function.Function
+                _functions[key] = fn
+    return fn
+
+
+def _stream(device: torch.device):
+    ptr = torch.cuda.current_stream(device).cuda_stream
+    s = _streams.get(ptr)
+    if s is None:
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream in favour of Stream.from_external
+            warnings.simplefilter("ignore", DeprecationWarning)
+            s = _cp.cuda.ExternalStream(ptr)
+        _streams[ptr] = s
+    return s
+
+
+def _launch(name: str, dtype: torch.dtype | None, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
+    """Launch kernel `name` of the module for `dtype` (None: a dtype-independent kernel, taken from any
+    module already loaded on the device) on PyTorch's current stream."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dtype is None:
+        kind = next((kd for (dv_, kd) in list(_modules) if dv_ == dev), 0)
+    else:
+        kind = _KIND[dtype]
+    fn = _function(dev, kind, name)
+    stream = _stream(device)
+    if _cp.cuda.runtime.getDevice() != dev:
+        with _cp.cuda.Device(dev):
+            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+    else:
+        fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+
+
+def _sms(device: torch.device) -> int:
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_count.get(dev)
+    if n is None:
+        n = torch.cuda.get_device_properties(dev).multi_processor_count
+        _sm_count[dev] = n
+    return n
+
+
+def _p(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+_NULL = np.uint64(0)
+
+
+def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64]:
+    """(pointer, value): a CUDA tensor is passed by pointer (read in the kernel), anything else by value."""
+    if isinstance(start, torch.Tensor):
+        s = start.reshape(-1)
+        if s.device.type != "cuda":
+            return _NULL, np.int64(int(s[0]))  # host memory: no device sync
+        if s.device != device:
+            raise ValueError(f"start is on {s.device} but the op runs on {device}")
+        if s.dtype != torch.int64:
+            raise TypeError(f"a device start must be int64, got {s.dtype}")
+        return _p(s), np.int64(0)
+    return _NULL, np.int64(int(start))
+
+
+def _cuda_ok(*tensors: torch.Tensor) -> bool:
+    return _cp is not None and all(t.is_cuda for t in tensors)
+
+
+def _rows(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x viewed as [rows, d] with contiguous rows (a copy only when no such view exists)."""
+    x2 = x.reshape(-1, d)
+    if d > 1 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _aux(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+    """A weight/gate operand: same dtype as the activations -> 's' kernels, else upcast to fp32 -> 'f'
+    kernels (exact for the reference's maths: a mixed-dtype product promotes to fp32 there too)."""
+    if t.dtype == dtype:
+        return t.contiguous(), "s"
+    return t.float().contiguous(), "f"
+
+
+def _inner_contig(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with rows of H*D contiguous elements (token stride free)."""
+    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        return x.contiguous()
+    return x
+
+
+def _norm_threads(d: int) -> int:
+    return min(1024, max(32, ((d + 7) // 8 + 31) // 32 * 32))
+
+
+# ---- ops ----------------------------------------------------------------------------------------------
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _cuda_ok(x, weight) or x.dtype not in _KIND or x.dim() == 0 or weight.numel() != x.shape[-1]:
+        return reference.rmsnorm(x, weight, eps)
+    d = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2 = _rows(x, d)
+    w, ws = _aux(weight, x.dtype)
+    _launch(
+        f"rmsnorm_w{ws}",
+        x.dtype,
+        x.device,
+        (x2.shape[0],),
+        (_norm_threads(d),),
+        (_p(x2), np.int64(x2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+    )
+    return y
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        not _cuda_ok(x, residual, weight)
+        or x.dtype not in _KIND
+        or residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or x.dim() == 0
+        or weight.numel() != x.shape[-1]
+    ):
+        return reference.add_rmsnorm(x, residual, weight, eps)
+    d = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y, s
+    x2, r2 = _rows(x, d), _rows(residual, d)
+    w, ws = _aux(weight, x.dtype)
+    _launch(
+        f"add_rmsnorm_w{ws}",
+        x.dtype,
+        x.device,
+        (x2.shape[0],),
+        (_norm_threads(d),),
+        (
+            _p(x2),
+            np.int64(x2.stride(0)),
+            _p(r2),
+            np.int64(r2.stride(0)),
+            _p(w),
+            _p(y),
+            _p(s),
+            np.int32(d),
+            np.float32(eps),
+        ),
+    )
+    return y, s
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if (
+        not _cuda_ok(x, gate, weight)
+        or x.dtype not in _KIND
+        or gate.shape != x.shape
+        or x.dim() == 0
+        or weight.numel() != x.shape[-1]
+    ):
+        return reference.gated_rmsnorm(x, gate, weight, eps)
+    d = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    x2 = _rows(x, d)
+    gs = "s" if gate.dtype == x.dtype else "f"
+    g2 = _rows(gate if gs == "s" else gate.float(), d)
+    w, ws = _aux(weight, x.dtype)
+    _launch(
+        f"gated_rmsnorm_w{ws}_g{gs}",
+        x.dtype,
+        x.device,
+        (x2.shape[0],),
+        (_norm_threads(d),),
+        (_p(x2), np.int64(x2.stride(0)), _p(g2), np.int64(g2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+    )
+    return y
+
+
+def rope_partial(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() != 3:
+        return reference.rope_partial(x, positions, inv_freq)
+    t, h, d = x.shape
+    half = inv_freq.numel()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    xc = x if x.stride(2) == 1 else x.contiguous()
+    pos = positions.reshape(-1)
+    if pos.device != x.device:
+        pos = pos.to(x.device)
+    if pos.dtype != torch.int64:
+        pos = pos.long()
+    inv = inv_freq.reshape(-1)
+    if inv.device != x.device or inv.dtype != torch.float32:
+        inv = inv.to(device=x.device, dtype=torch.float32)
+    inv = inv.contiguous()
+    n = t * h * d
+    _launch(
+        "rope_partial",
+        x.dtype,
+        x.device,
+        ((n + 255) // 256,),
+        (256,),
+        (
+            _p(xc),
+            np.int64(xc.stride(0)),
+            np.int64(xc.stride(1)),
+            _p(pos),
+            _p(inv),
+            _p(y),
+            np.int32(t),
+            np.int32(h),
+            np.int32(d),
+            np.int32(half),
+        ),
+    )
+    return y
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    if (
+        not _cuda_ok(k_cache, v_cache, k, v)
+        or k_cache.dtype not in _KIND
+        or not (k_cache.dtype == v_cache.dtype == k.dtype == v.dtype)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.shape != v_cache.shape
+        or k.shape != v.shape
+        or k.dim() != 3
+        or k.shape[1:] != k_cache.shape[1:]
+    ):
+        return reference.kv_write(k_cache, v_cache, k, v, start)
+    t = k.shape[0]
+    row = k_cache[0].numel()
+    if t == 0 or row == 0:
+        return None
+    kc, vc = _inner_contig(k), _inner_contig(v)
+    sp, sv = _start_args(start, k.device)
+    n = t * row
+    _launch(
+        "kv_write",
+        k.dtype,
+        k.device,
+        ((n + 255) // 256,),
+        (256,),
+        (
+            _p(k_cache),
+            _p(v_cache),
+            _p(kc),
+            np.int64(kc.stride(0)),
+            _p(vc),
+            np.int64(vc.stride(0)),
+            sp,
+            sv,
+            np.int32(t),
+            np.int32(row),
+            np.int64(k_cache.shape[0]),
+        ),
+    )
+    return None
+
+
+_ATT_MAX_SPLITS = 128
+_ATT_MAX_KERNEL_ROWS = 64
+# "tile": K/V tiles in shared memory shared by all query rows of a kv head (default);
+# "warp": one block per (query row, head), a warp per key (simpler; kept as a cross-check)
+_ATT_IMPL = "tile"
+# "par": the split partials are merged by a block (default); "serial": one thread merges them (cross-check)
+_ATT_COMBINE = "par"
+_ATT_MIN_KEYS_PER_SPLIT = 64
+
+
+def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
+    """Key splits per (row, head): about two blocks per SM, each split at least a few warps' worth of keys."""
+    want = max(1, -(-2 * _sms(device) // (t * hq)))
+    cap = max(1, -(-max_keys // _ATT_MIN_KEYS_PER_SPLIT))
+    return max(1, min(want, cap, _ATT_MAX_SPLITS))
+
+
+def attention_cached(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: Start, scale: float
+) -> torch.Tensor:
+    if (
+        not _cuda_ok(q, k_cache, v_cache)
+        or q.dtype not in _KIND
+        or not (q.dtype == k_cache.dtype == v_cache.dtype)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or q.dim() != 3
+        or q.shape[2] > 256
+        or q.shape[2] != k_cache.shape[2]
+        or q.shape[1] % k_cache.shape[1] != 0
+    ):
+        return reference.attention_cached(q, k_cache, v_cache, start, scale)
+    t, hq, d = q.shape
+    if t > _ATT_MAX_KERNEL_ROWS and not (isinstance(start, torch.Tensor) and start.is_cuda):
+        # prefill-sized batches with a host start: the reference's GEMMs are faster than per-row decoding
+        return reference.attention_cached(q, k_cache, v_cache, start, scale)
+    hkv = k_cache.shape[1]
+    max_ctx = k_cache.shape[0]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    qc = q if q.stride(2) == 1 else q.contiguous()
+    sp, sv = _start_args(start, q.device)
+    max_keys = max_ctx if sp != _NULL else min(max_ctx, int(sv) + t)
+    epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
+    if _ATT_IMPL == "tile":
+        rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
+        groups = -(-(t * (hq // hkv)) // rb)
+        want = -(-2 * _sms(q.device) // (hkv * groups))
+        splits = max(1, min(want, -(-max_keys // (2 * kt)), _ATT_MAX_SPLITS))
+        vec = 16 // q.element_size()
+        vec_ok = int(d % vec == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
+        grid, name = (splits, hkv, groups), f"attn_tile_e{epl}"
+    else:
+        splits = _att_splits(q.device, t, hq, max_keys)
+        grid, name = (splits, hq, t), f"attn_split_e{epl}"
+    if splits > 1:
+        ws_acc = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((splits, t, hq, 2), dtype=torch.float32, device=q.device)
+        pa, pm = _p(ws_acc), _p(ws_ml)
+    else:
+        pa = pm = _NULL
+    head = (_p(qc), np.int64(qc.stride(0)), np.int64(qc.stride(1)), _p(k_cache), _p(v_cache), sp, sv)
+    if _ATT_IMPL == "tile":
+        args = head + (
+            np.int32(t),
+            np.int32(hq),
+            np.int32(hkv),
+            np.int32(d),
+            np.int64(max_ctx),
+            np.float32(scale),
+            np.int32(vec_ok),
+            pa,
+            pm,
+            _p(out),
+        )
+    else:
+        args = head + (np.int32(hq), np.int32(hkv), np.int32(d), np.int64(max_ctx), np.float32(scale), pa, pm, _p(out))
+    _launch(name, q.dtype, q.device, grid, (128,), args)
+    if splits > 1:
+        if _ATT_COMBINE == "par":
+            name, threads = "attn_combine_par", max(32, -(-max(d, splits) // 32) * 32)
+        else:
+            name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
+        _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d)))
+    return out
+
+
+def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    if (
+        not _cuda_ok(x, conv_ring, weight)
+        or x.dtype not in _KIND
+        or conv_ring.dtype != x.dtype
+        or not conv_ring.is_contiguous()
+        or x.dim() != 2
+        or weight.dim() != 2
+        or not 2 <= weight.shape[1] <= 8
+        or conv_ring.shape[2] != weight.shape[1] - 1
+    ):
+        return reference.conv_update(x, conv_ring, weight, start)
+    t, c = x.shape
+    n = conv_ring.shape[0]
+    k = weight.shape[1]
+    y = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    xc = x if x.stride(1) == 1 else x.contiguous()
+    w, ws = _aux(weight, x.dtype)
+    sp, sv = _start_args(start, x.device)
+    _launch(
+        f"conv_update_k{k}_w{ws}",
+        x.dtype,
+        x.device,
+        ((c + 127) // 128,),
+        (128,),
+        (_p(xc), np.int64(xc.stride(0)), _p(conv_ring), _p(w), _p(y), sp, sv, np.int32(t), np.int32(c), np.int32(n)),
+    )
+    return y
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    n = state_ring.shape[0]
+    if t >= n:
+        raise ValueError(f"a recurrent batch of {t} tokens needs more than {n} snapshot planes")
+    if (
+        not _cuda_ok(q, k, v, g, beta, state_ring)
+        or v.dtype not in _KIND
+        or not (q.dtype == k.dtype == v.dtype)
+        or state_ring.dtype != torch.float32
+        or not state_ring.is_contiguous()
+        or dk > 128
+        or hv % hk != 0
+    ):
+        return reference.gated_delta_rule(q, k, v, g, beta, state_ring, start)
+    out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    if out.numel() == 0:
+        return out
+    qc, kc, vc = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    gf = g.float() if g.dtype != torch.float32 else g
+    gf = gf.reshape(t, hv)
+    if hv > 1 and gf.stride(1) != 1:
+        gf = gf.contiguous()
+    b, bs = _aux(beta, v.dtype)
+    b = b.reshape(t, hv)
+    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+    threads = max(32, dkp)
+    sp, sv = _start_args(start, v.device)
+    _launch(
+        f"gdr_dk{dkp}_b{bs}",
+        v.dtype,
+        v.device,
+        ((dv + 31) // 32, hv),
+        (threads,),
+        (
+            _p(qc),
+            np.int64(qc.stride(0)),
+            np.int64(qc.stride(1)),
+            _p(kc),
+            np.int64(kc.stride(0)),
+            np.int64(kc.stride(1)),
+            _p(vc),
+            np.int64(vc.stride(0)),
+            np.int64(vc.stride(1)),
+            _p(gf),
+            np.int64(gf.stride(0)),
+            _p(b),
+            np.int64(b.stride(0)),
+            _p(state_ring),
+            _p(out),
+            sp,
+            sv,
+            np.int32(t),
+            np.int32(hk),
+            np.int32(hv),
+            np.int32(dk),
+            np.int32(dv),
+            np.int32(n),
+            np.float32(dk**-0.5),
+        ),
+    )
+    return out
+
+
+_AM_THREADS = 1024
+_AM_MIN_PER_BLOCK = 16384
+
+
+def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _cuda_ok(logits) or logits.dtype not in _KIND or logits.dim() != 2:
+        return reference.argmax_prob(logits, n)
+    t, vocab = logits.shape
+    n = vocab if n <= 0 else min(int(n), vocab)
+    tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
+    prob = torch.empty((t,), dtype=torch.float32, device=logits.device)
+    if t == 0 or n == 0:
+        return tok, prob
+    lg = logits if logits.stride(1) == 1 else logits.contiguous()
+    parts = max(1, min(-(-2 * _sms(logits.device) // t), -(-n // _AM_MIN_PER_BLOCK), 1024))
+    chunk = -(-n // parts)
+    chunk = -(-chunk // 8) * 8
+    parts = -(-n // chunk)
+    vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    if parts > 1:
+        ws = torch.empty((3, t, parts), dtype=torch.float32, device=logits.device)
+        pm, ps = _p(ws[0]), _p(ws[1])
+        pi = _p(ws[2])  # int32 partial indices stored in the third fp32 plane (same size)
+    else:
+        pm = ps = pi = _NULL
+    _launch(
+        "argmax_partial",
+        logits.dtype,
+        logits.device,
+        (parts, t),
+        (_AM_THREADS,),
+        (_p(lg), np.int64(lg.stride(0)), np.int32(n), np.int32(chunk), np.int32(vec_ok), pm, ps, pi, _p(tok), _p(prob)),
+    )
+    if parts > 1:
+        _launch(
+            "argmax_combine",
+            logits.dtype,
+            logits.device,
+            (t,),
+            (32,),
+            (pm, ps, pi, np.int32(parts), _p(tok), _p(prob)),
+        )
+    return tok, prob
+
+
+def greedy_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_tokens: torch.Tensor,
+    p_min: float,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    if (
+        not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out)
+        or drafts.dtype != torch.int64
+        or target_tokens.dtype != torch.int64
+        or cache_len.dtype != torch.int64
+        or out.dtype != torch.int64
+        or not out.is_contiguous()
+    ):
+        return reference.greedy_accept(drafts, draft_probs, target_tokens, p_min, cache_len, out)
+    n = drafts.shape[0]
+    d = drafts.contiguous()
+    pr = draft_probs if draft_probs.dtype == torch.float32 else draft_probs.float()
+    pr = pr.contiguous()
+    tt = target_tokens.contiguous()
+    cl = cache_len.reshape(-1)
+    _launch(
+        "greedy_accept",
+        None,
+        out.device,
+        (1,),
+        (32,),
+        (_p(d), _p(pr), _p(tt), np.float64(p_min), _p(cl), _p(out), np.int32(n)),
+    )
+    return None
+
+
+# ---- warm-up ------------------------------------------------------------------------------------------
+_KERNELS_PER_DTYPE = (
+    [
+        "rmsnorm_ws",
+        "rmsnorm_wf",
+        "add_rmsnorm_ws",
+        "add_rmsnorm_wf",
+        "rope_partial",
+        "kv_write",
+        "attn_combine",
+        "attn_combine_par",
+        "argmax_partial",
+        "argmax_combine",
+        "greedy_accept",
+    ]
+    + [f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"]
+    + [f"attn_{kind}_e{e}" for kind in ("split", "tile") for e in (1, 2, 4, 8)]
+    + [f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"]
+    + [f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"]
+)
+
+
+def warm_up(device: torch.device | str | int, dtype: torch.dtype) -> None:
+    """Compile and load every kernel for `dtype` on `device`, then run each op once on tiny inputs (so that
+    no module is compiled or loaded, and no lazy CUDA loading happens, inside a graph capture).
+    Raises RuntimeError when the kernels are not available here."""
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(f"CUDA kernels unavailable: {why}")
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dtype not in _KIND:
+        raise ValueError(f"unsupported dtype {dtype}")
+    dev, kind = device.index, _KIND[dtype]
+    for name in _KERNELS_PER_DTYPE:
+        _function(dev, kind, name)
+    _sms(device)
+    with torch.cuda.device(device):
+        _exercise(device, dtype)
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _exercise(device: torch.device, dtype: torch.dtype) -> None:
+    """Run every op once (tiny shapes): first launches happen here, not inside a capture."""
+    z = torch.zeros
+    kw = {"device": device, "dtype": dtype}
+    x = torch.randn(2, 64, **kw)
+    w = z(64, **kw)
+    rmsnorm(x, w, 1e-6)
+    rmsnorm(x, w.float(), 1e-6)
+    add_rmsnorm(x, x, w, 1e-6)
+    add_rmsnorm(x, x, w.float(), 1e-6)
+    for wa in (w, w.float()):
+        for ga in (x, x.float()):
+            gated_rmsnorm(x, ga, wa, 1e-6)
+    start = torch.zeros(1, dtype=torch.int64, device=device)
+    pos = torch.arange(2, device=device)
+    for d in (32, 64, 128, 256):
+        q = torch.randn(2, 2, d, **kw)
+        rope_partial(q, pos, torch.ones(d // 4, device=device))
+        kc, vc = z(256, 1, d, **kw), z(256, 1, d, **kw)  # long enough for split keys + combine
+        kv_write(kc, vc, q[:, :1], q[:, :1], start)
+        attention_cached(q, kc, vc, start, d**-0.5)
+        attention_cached(q, kc, vc, 0, d**-0.5)
+    for k in range(2, 9):
+        ring = z(4, 8, k - 1, **kw)
+        cx = torch.randn(2, 8, **kw)
+        conv_update(cx, ring, z(8, k, **kw), start)
+        conv_update(cx, ring, z(8, k, device=device), start)
+    for dk in (16, 32, 64, 128):
+        st = z(4, 2, dk, 32, device=device, dtype=torch.float32)
+        qq = torch.randn(2, 1, dk, **kw)
+        vv = torch.randn(2, 2, 32, **kw)
+        gg = z(2, 2, device=device)
+        gated_delta_rule(qq, qq, vv, gg, z(2, 2, **kw), st, start)
+        gated_delta_rule(qq, qq, vv, gg, z(2, 2, device=device), st, start)
+    lg = torch.randn(2, 3 * _AM_MIN_PER_BLOCK, **kw)
+    argmax_prob(lg, 0)
+    argmax_prob(lg, 100)
+    out = z(5, dtype=torch.int64, device=device)
+    greedy_accept(
+        z(2, dtype=torch.int64, device=device),
+        torch.ones(2, device=device),
+        z(3, dtype=torch.int64, device=device),
+        0.5,
+        z(1, dtype=torch.int64, device=device),
+        out,
+    )

@@ -1,0 +1,1018 @@
+// SpecDeck decode-path kernels (compiled by CuPy/NVRTC, launched on PyTorch's current stream).
+//
+// kernels/cuda.py prepends `#define SCALAR_KIND k` (0 = fp32, 1 = bf16, 2 = fp16) and compiles one
+// module per (device, dtype). Every kernel mirrors a function of kernels/reference.py; the comments
+// name the reference expression each step reproduces, including the roundings to the activation dtype
+// that the reference performs (so bf16 results agree to the last bit in most elements).
+//
+// `start` convention: every kernel that needs the position of the first new token takes
+// (const long long* start_ptr, long long start_val): it reads *start_ptr when the pointer is non-null
+// (a 1-element int64 device tensor, what a captured CUDA graph reads), else uses start_val.
+
+#ifndef SPECDECK_OWN_HALF
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+typedef __nv_bfloat16 bf16_t;
+typedef __half f16_t;
+__device__ __forceinline__ float to_f(bf16_t v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(f16_t v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float f);
+template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) { return __float2bfloat16_rn(f); }
+template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) { return __float2half_rn(f); }
+#else
+// Fallback when the CUDA half headers cannot be compiled by NVRTC: 2-byte storage types converted
+// with the same PTX instructions the headers use (round to nearest even).
+struct __align__(2) bf16_t { unsigned short x; };
+struct __align__(2) f16_t { unsigned short x; };
+__device__ __forceinline__ float to_f(bf16_t v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+__device__ __forceinline__ float to_f(f16_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+template <typename T> __device__ __forceinline__ T from_f(float f);
+template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float f) {
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
+    return r;
+}
+template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(f));
+    return r;
+}
+#endif
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
+
+// Round a float to the precision of T (identity for float): reproduces a PyTorch op whose result is T.
+template <typename T> __device__ __forceinline__ float rnd(float f) { return to_f(from_f<T>(f)); }
+
+#ifndef SCALAR_KIND
+#define SCALAR_KIND 0
+#endif
+#if SCALAR_KIND == 0
+typedef float scalar_t;
+#elif SCALAR_KIND == 1
+typedef bf16_t scalar_t;
+#else
+typedef f16_t scalar_t;
+#endif
+
+#define NEG_INF __int_as_float(0xff800000)
+#define I32_MAX 0x7fffffff
+
+__device__ __forceinline__ long long read_start(const long long* p, long long v) { return p ? *p : v; }
+__device__ __forceinline__ long long ll_min(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long ll_max(long long a, long long b) { return a > b ? a : b; }
+// Non-negative modulo (start is never negative in practice; this keeps a bad value in bounds).
+__device__ __forceinline__ long long pmod(long long a, long long n) {
+    long long r = a % n;
+    return r < 0 ? r + n : r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();  // sh may still be read by a previous call
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : 0.f;
+    return warp_sum(r);
+}
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+// ------------------------------------------------------------------------------------------------
+// rmsnorm / add_rmsnorm / gated_rmsnorm: one block per row of d elements.
+// x rows may be strided (row stride xs, elements contiguous); outputs are contiguous [rows, d].
+// W is the weight's type: scalar_t (same dtype as x) or float (anything else, upcast on the host).
+// ------------------------------------------------------------------------------------------------
+
+template <typename W>
+__device__ __forceinline__ void rmsnorm_impl(const scalar_t* __restrict__ x, long long xs, const W* __restrict__ w,
+                                             scalar_t* __restrict__ y, int d, float eps) {
+    __shared__ float sh[32];
+    const long long row = blockIdx.x;
+    const scalar_t* xr = x + row * xs;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float rs = rsqrtf(ss / (float)d + eps);  // rsqrt(mean(x^2) + eps)
+    scalar_t* yr = y + row * (long long)d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]) * rs;
+        yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));  // (y * (1 + w.float())).to(dtype)
+    }
+}
+
+extern "C" __global__ void rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* w, scalar_t* y, int d,
+                                      float eps) {
+    rmsnorm_impl<scalar_t>(x, xs, w, y, d, eps);
+}
+extern "C" __global__ void rmsnorm_wf(const scalar_t* x, long long xs, const float* w, scalar_t* y, int d,
+                                      float eps) {
+    rmsnorm_impl<float>(x, xs, w, y, d, eps);
+}
+
+template <typename W>
+__device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x, long long xs,
+                                                 const scalar_t* __restrict__ r, long long rs_,
+                                                 const W* __restrict__ w, scalar_t* __restrict__ y,
+                                                 scalar_t* __restrict__ s, int d, float eps) {
+    __shared__ float sh[32];
+    const long long row = blockIdx.x;
+    const scalar_t* xr = x + row * xs;
+    const scalar_t* rr = r + row * rs_;
+    scalar_t* sr = s + row * (long long)d;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i]));  // s = x + residual (in dtype)
+        sr[i] = from_f<scalar_t>(v);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float rs = rsqrtf(ss / (float)d + eps);
+    scalar_t* yr = y + row * (long long)d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i])) * rs;
+        yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));
+    }
+}
+
+extern "C" __global__ void add_rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* r, long long rs,
+                                          const scalar_t* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    add_rmsnorm_impl<scalar_t>(x, xs, r, rs, w, y, s, d, eps);
+}
+extern "C" __global__ void add_rmsnorm_wf(const scalar_t* x, long long xs, const scalar_t* r, long long rs,
+                                          const float* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    add_rmsnorm_impl<float>(x, xs, r, rs, w, y, s, d, eps);
+}
+
+// gated_rmsnorm: y = weight * rmsnorm_plain(x).to(dtype); out = (y * silu(gate.float())).to(dtype).
+// With W == scalar_t the product weight * y is a dtype op (rounded to dtype); with W == float it is fp32.
+template <typename W, typename G>
+__device__ __forceinline__ void gated_rmsnorm_impl(const scalar_t* __restrict__ x, long long xs,
+                                                   const G* __restrict__ gate, long long gs,
+                                                   const W* __restrict__ w, scalar_t* __restrict__ y, int d,
+                                                   float eps) {
+    __shared__ float sh[32];
+    const long long row = blockIdx.x;
+    const scalar_t* xr = x + row * xs;
+    const G* gr = gate + row * gs;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float rs = rsqrtf(ss / (float)d + eps);
+    scalar_t* yr = y + row * (long long)d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float n = rnd<scalar_t>(to_f(xr[i]) * rs);  // y.to(x.dtype)
+        const float p = rnd<W>(to_f(w[i]) * n);           // weight * y
+        yr[i] = from_f<scalar_t>(p * silu_f(to_f(gr[i])));
+    }
+}
+
+#define GATED_RMSNORM(NAME, WT, GT)                                                                   \
+    extern "C" __global__ void NAME(const scalar_t* x, long long xs, const GT* gate, long long gs,     \
+                                    const WT* w, scalar_t* y, int d, float eps) {                      \
+        gated_rmsnorm_impl<WT, GT>(x, xs, gate, gs, w, y, d, eps);                                     \
+    }
+GATED_RMSNORM(gated_rmsnorm_ws_gs, scalar_t, scalar_t)
+GATED_RMSNORM(gated_rmsnorm_ws_gf, scalar_t, float)
+GATED_RMSNORM(gated_rmsnorm_wf_gs, float, scalar_t)
+GATED_RMSNORM(gated_rmsnorm_wf_gf, float, float)
+
+// ------------------------------------------------------------------------------------------------
+// rope_partial: one thread per output element of [T, H, D] (output contiguous).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void rope_partial(const scalar_t* __restrict__ x, long long xs0, long long xs1,
+                                        const long long* __restrict__ pos, const float* __restrict__ inv_freq,
+                                        scalar_t* __restrict__ y, int T, int H, int D, int half) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long total = (long long)T * H * D;
+    if (idx >= total) return;
+    const int d = (int)(idx % D);
+    const int h = (int)((idx / D) % H);
+    const int t = (int)(idx / ((long long)D * H));
+    const scalar_t* xr = x + t * xs0 + h * xs1;
+    float out;
+    if (d < 2 * half) {
+        const int i = d < half ? d : d - half;
+        const float f = (float)pos[t] * inv_freq[i];  // positions.float() * inv_freq
+        const float c = rnd<scalar_t>(cosf(f));         // emb.cos().to(dtype)
+        const float s = rnd<scalar_t>(sinf(f));
+        const float xv = to_f(xr[d]);
+        const float rv = d < half ? -to_f(xr[d + half]) : to_f(xr[d - half]);  // rotate_half
+        out = rnd<scalar_t>(xv * c) + rnd<scalar_t>(rv * s);
+    } else {
+        out = to_f(xr[d]);
+    }
+    y[idx] = from_f<scalar_t>(out);
+}
+
+// ------------------------------------------------------------------------------------------------
+// kv_write: k, v [T, row] (row = Hkv * D contiguous, token stride ks0/vs0) -> caches [max_ctx, row].
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void kv_write(scalar_t* __restrict__ kc, scalar_t* __restrict__ vc,
+                                    const scalar_t* __restrict__ k, long long ks0, const scalar_t* __restrict__ v,
+                                    long long vs0, const long long* start_ptr, long long start_val, int T, int row,
+                                    long long max_ctx) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)T * row) return;
+    const long long start = read_start(start_ptr, start_val);
+    const int t = (int)(idx / row);
+    const int r = (int)(idx % row);
+    const long long p = start + t;
+    if (p < 0 || p >= max_ctx) return;
+    kc[p * row + r] = k[t * ks0 + r];
+    vc[p * row + r] = v[t * vs0 + r];
+}
+
+// ------------------------------------------------------------------------------------------------
+// attention_cached: flash-decoding. Grid (S splits, Hq, T); 4 warps per block; each warp runs an
+// online softmax over its keys (a key per step, the warp's lanes splitting D: element d = e*32 + lane).
+// Query row t (position start + t) sees keys 0 .. start + t. Split s covers a contiguous chunk of
+// those keys; with S == 1 the block writes the output, else partial (acc, max, sum) to a workspace
+// that attn_combine merges.
+// ------------------------------------------------------------------------------------------------
+#define ATT_WARPS 4
+#define ATT_UNROLL 2
+
+template <int EPL>
+__device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
+                                                const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
+                                                const long long* start_ptr, long long start_val, int Hq, int Hkv,
+                                                int D, long long max_ctx, float scale, float* __restrict__ ws_acc,
+                                                float* __restrict__ ws_ml, scalar_t* __restrict__ out) {
+    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS], s_w[ATT_WARPS];
+    __shared__ float s_acc[ATT_WARPS][EPL * 32];
+    const int S = gridDim.x, T = gridDim.z;
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long start = read_start(start_ptr, start_val);
+    long long n = ll_min(start + t + 1, max_ctx);
+    n = ll_max(n, 0);
+    const long long chunk = (n + S - 1) / S;
+    const long long b = (long long)s * chunk;
+    const long long e = ll_min(n, b + chunk);
+    const int kvh = h / (Hq / Hkv);
+    const long long rstride = (long long)Hkv * D;
+    const scalar_t* kb = kc + (long long)kvh * D;
+    const scalar_t* vb = vc + (long long)kvh * D;
+
+    float qv[EPL], acc[EPL];
+    const scalar_t* qr = q + t * qs0 + h * qs1;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+        const int d = i * 32 + lane;
+        qv[i] = d < D ? to_f(qr[d]) : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = NEG_INF, l = 0.f;
+    for (long long j0 = b + warp * ATT_UNROLL; j0 < e; j0 += ATT_WARPS * ATT_UNROLL) {
+        float sc[ATT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; ++u) {
+            const long long j = j0 + u;
+            float dot = 0.f;
+            if (j < e) {
+                const scalar_t* kr = kb + j * rstride;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    if (d < D) dot += qv[i] * to_f(kr[d]);
+                }
+            }
+            sc[u] = dot;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < ATT_UNROLL; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; ++u) {
+            const long long j = j0 + u;
+            if (j < e) {
+                const float sv = sc[u] * scale;  // (q @ k^T) * scale
+                const float mn = fmaxf(m, sv);
+                const float corr = expf(m - mn);
+                const float p = expf(sv - mn);
+                l = l * corr + p;
+                const scalar_t* vr = vb + j * rstride;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    const float vv = d < D ? to_f(vr[d]) : 0.f;
+                    acc[i] = acc[i] * corr + p * vv;
+                }
+                m = mn;
+            }
+        }
+    }
+    // merge the warps of the block
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) s_acc[warp][i * 32 + lane] = acc[i];
+    __syncthreads();
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, s_m[w]);
+    float L = 0.f;
+    float wt[ATT_WARPS];
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w) {
+        wt[w] = s_m[w] == NEG_INF ? 0.f : expf(s_m[w] - M);
+        L += s_l[w] * wt[w];
+    }
+    const long long orow = ((long long)t * Hq + h) * D;
+    if (S == 1) {
+        const float inv = 1.0f / L;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float a = 0.f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) a += s_acc[w][d] * wt[w];
+            out[orow + d] = from_f<scalar_t>(a * inv);
+        }
+    } else {
+        const long long prow = (long long)s * T * Hq + (long long)t * Hq + h;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float a = 0.f;
+#pragma unroll
+            for (int w = 0; w < ATT_WARPS; ++w) a += s_acc[w][d] * wt[w];
+            ws_acc[prow * D + d] = a;
+        }
+        if (threadIdx.x == 0) {
+            ws_ml[prow * 2] = M;
+            ws_ml[prow * 2 + 1] = L;
+        }
+    }
+    (void)s_w;
+}
+
+#define ATTN_SPLIT(EPL)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                           \
+        attn_split_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,             \
+                          const scalar_t* vc, const long long* start_ptr, long long start_val, int Hq,      \
+                          int Hkv, int D, long long max_ctx, float scale, float* ws_acc, float* ws_ml,      \
+                          scalar_t* out) {                                                                 \
+        attn_split_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, \
+                             ws_ml, out);                                                                  \
+    }
+ATTN_SPLIT(1)
+ATTN_SPLIT(2)
+ATTN_SPLIT(4)
+ATTN_SPLIT(8)
+
+// attention_cached, tiled form (the default): grid (S splits, Hkv, row groups); 4 warps per block.
+// A block owns up to RB = 4 * RPW query rows of ONE kv head (rows r = t * rep + (h % rep), so the T query
+// tokens and the GQA heads of the group share every K/V tile loaded to shared memory). Per tile of KT
+// keys: scores with lane = key (dot over D from shared memory), an online-softmax update per row (the
+// row's own causal limit start + t), then P.V with lane = feature. Output / partials as attn_split.
+#define ATT_TILE_KT (sizeof(scalar_t) == 4 ? 16 : 32)
+#define ATT_TILE_RPW (sizeof(scalar_t) == 4 ? 2 : 4)
+
+template <int EPL>
+__device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
+                                               const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
+                                               const long long* start_ptr, long long start_val, int T, int Hq,
+                                               int Hkv, int D, long long max_ctx, float scale, int vec_ok,
+                                               float* __restrict__ ws_acc, float* __restrict__ ws_ml,
+                                               scalar_t* __restrict__ out) {
+    constexpr int DP = EPL * 32;
+    constexpr int NW = ATT_WARPS;
+    constexpr int KT = ATT_TILE_KT;
+    constexpr int RPW = ATT_TILE_RPW;
+    constexpr int RB = NW * RPW;
+    constexpr int NP = 32 / KT;
+    constexpr int DPP = DP / NP;
+    constexpr int PADK = 4 / (int)sizeof(scalar_t);
+    __shared__ __align__(16) scalar_t sQ[RB][DP];
+    __shared__ __align__(16) scalar_t sK[KT][DP + PADK];
+    __shared__ __align__(16) scalar_t sV[KT][DP];
+    __shared__ float sP[RB][KT];
+
+    const int S = gridDim.x, s = blockIdx.x, kvh = blockIdx.y, rg = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rep = Hq / Hkv;
+    const int R = T * rep;
+    const int row0 = rg * RB;
+    const int nrows = R - row0 < RB ? R - row0 : RB;
+    const long long start = read_start(start_ptr, start_val);
+    const long long N = ll_max(0, ll_min(start + T, max_ctx));
+    long long chunk = (N + S - 1) / S;
+    chunk = (chunk + KT - 1) / KT * KT;
+    const long long b = (long long)s * chunk;
+    const long long e = ll_min(N, b + chunk);
+    const long long rstride = (long long)Hkv * D;
+    const scalar_t* kb = kc + (long long)kvh * D;
+    const scalar_t* vb = vc + (long long)kvh * D;
+    const scalar_t zero = from_f<scalar_t>(0.f);
+
+    for (int i = threadIdx.x; i < RB * DP; i += blockDim.x) {
+        const int r = i / DP, d = i - r * DP;
+        float v = 0.f;
+        if (r < nrows && d < D) {
+            const int gr = row0 + r;
+            const int t = gr / rep, h = kvh * rep + gr % rep;
+            v = to_f(q[t * qs0 + h * qs1 + d]);
+        }
+        sQ[r][d] = from_f<scalar_t>(v);
+    }
+    for (int i = threadIdx.x; i < KT * (DP + PADK - D); i += blockDim.x) {
+        const int j = i / (DP + PADK - D);
+        sK[j][D + i - j * (DP + PADK - D)] = zero;
+    }
+    for (int i = threadIdx.x; i < KT * (DP - D); i += blockDim.x) {
+        const int j = i / (DP - D);
+        sV[j][D + i - j * (DP - D)] = zero;
+    }
+
+    int nsl = 0;  // live slots of this warp: rows warp + NW * r < nrows (a prefix of r)
+    float m[RPW], l[RPW], acc[RPW][EPL];
+    long long nrow[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const int lr = warp + NW * r;
+        if (lr < nrows) nsl = r + 1;
+        const int t = (row0 + lr) / rep;
+        nrow[r] = lr < nrows ? ll_min(start + t + 1, max_ctx) : 0;
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) acc[r][i] = 0.f;
+    }
+    const int kk = lane % KT, part = lane / KT;
+
+    for (long long j0 = b; j0 < e; j0 += KT) {
+        const int kv = (int)ll_min(KT, e - j0);
+        __syncthreads();  // the previous tile is consumed (first pass: sQ and the pads are written)
+        if (vec_ok) {
+            constexpr int VEC = 16 / (int)sizeof(scalar_t);
+            const int cpr = D / VEC;
+            for (int c = threadIdx.x; c < kv * cpr; c += blockDim.x) {
+                const int jj = c / cpr, dd = (c - jj * cpr) * VEC;
+                const long long goff = (j0 + jj) * rstride + dd;
+                const uint4 kx = *reinterpret_cast<const uint4*>(kb + goff);
+                const uint4 vx = *reinterpret_cast<const uint4*>(vb + goff);
+                unsigned int* dk = reinterpret_cast<unsigned int*>(&sK[jj][dd]);
+                dk[0] = kx.x;
+                dk[1] = kx.y;
+                dk[2] = kx.z;
+                dk[3] = kx.w;
+                *reinterpret_cast<uint4*>(&sV[jj][dd]) = vx;
+            }
+        } else {
+            for (int c = threadIdx.x; c < kv * D; c += blockDim.x) {
+                const int jj = c / D, dd = c - jj * D;
+                const long long goff = (j0 + jj) * rstride + dd;
+                sK[jj][dd] = kb[goff];
+                sV[jj][dd] = vb[goff];
+            }
+        }
+        __syncthreads();
+        if (nsl == 0) continue;
+        float sc[RPW];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) sc[r] = 0.f;
+        const int d0 = part * DPP;
+#pragma unroll 4
+        for (int d = d0; d < d0 + DPP; ++d) {
+            const float kd = to_f(sK[kk][d]);
+#pragma unroll
+            for (int r = 0; r < RPW; ++r)
+                if (r < nsl) sc[r] += to_f(sQ[warp + NW * r][d]) * kd;
+        }
+        const long long j = j0 + kk;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            if (r < nsl) {
+                if (NP > 1) sc[r] += __shfl_xor_sync(0xffffffffu, sc[r], 16);
+                const float sv = (kk < kv && j < nrow[r]) ? sc[r] * scale : NEG_INF;  // causal mask per row
+                float mt = sv;
+#pragma unroll
+                for (int o = KT / 2; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+                const float mn = fmaxf(m[r], mt);
+                float p, corr;
+                if (mn == NEG_INF) {
+                    p = 0.f;
+                    corr = 1.f;
+                } else {
+                    p = sv == NEG_INF ? 0.f : expf(sv - mn);
+                    corr = expf(m[r] - mn);
+                }
+                float ps = p;
+#pragma unroll
+                for (int o = KT / 2; o > 0; o >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+                l[r] = l[r] * corr + ps;
+                m[r] = mn;
+                if (part == 0) sP[warp + NW * r][kk] = p;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) acc[r][i] *= corr;
+            }
+        }
+        __syncwarp();
+        for (int jj = 0; jj < kv; ++jj) {
+            float vv[EPL];
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) vv[i] = to_f(sV[jj][i * 32 + lane]);
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                if (r < nsl) {
+                    const float p = sP[warp + NW * r][jj];
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) acc[r][i] += p * vv[i];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        if (r < nsl) {
+            const int gr = row0 + warp + NW * r;
+            const int t = gr / rep, h = kvh * rep + gr % rep;
+            const long long orow = (long long)t * Hq + h;
+            if (S == 1) {
+                const float inv = 1.0f / l[r];
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    if (d < D) out[orow * D + d] = from_f<scalar_t>(acc[r][i] * inv);
+                }
+            } else {
+                const long long prow = (long long)s * T * Hq + orow;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    const int d = i * 32 + lane;
+                    if (d < D) ws_acc[prow * D + d] = acc[r][i];
+                }
+                if (lane == 0) {
+                    ws_ml[prow * 2] = m[r];
+                    ws_ml[prow * 2 + 1] = l[r];
+                }
+            }
+        }
+    }
+}
+
+#define ATTN_TILE(EPL)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                                            \
+        attn_tile_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,               \
+                         const scalar_t* vc, const long long* start_ptr, long long start_val, int T, int Hq, \
+                         int Hkv, int D, long long max_ctx, float scale, int vec_ok, float* ws_acc,          \
+                         float* ws_ml, scalar_t* out) {                                                     \
+        attn_tile_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, T, Hq, Hkv, D, max_ctx, scale, vec_ok, \
+                            ws_acc, ws_ml, out);                                                            \
+    }
+ATTN_TILE(1)
+ATTN_TILE(2)
+ATTN_TILE(4)
+ATTN_TILE(8)
+
+#define ATT_MAX_SPLITS 128
+// Grid (Hq, T); merges the S partials of each (query row, head).
+extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
+                                        scalar_t* __restrict__ out, int S, int D) {
+    __shared__ float s_wt[ATT_MAX_SPLITS];
+    __shared__ float s_L;
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int Hq = gridDim.x, T = gridDim.y;
+    const long long base = (long long)t * Hq + h;
+    const long long sstride = (long long)T * Hq;
+    if (threadIdx.x == 0) {
+        float M = NEG_INF;
+        for (int s = 0; s < S; ++s) M = fmaxf(M, ws_ml[(s * sstride + base) * 2]);
+        float L = 0.f;
+        for (int s = 0; s < S; ++s) {
+            const float ms = ws_ml[(s * sstride + base) * 2];
+            const float w = ms == NEG_INF ? 0.f : expf(ms - M);
+            s_wt[s] = w;
+            L += ws_ml[(s * sstride + base) * 2 + 1] * w;
+        }
+        s_L = L;
+    }
+    __syncthreads();
+    const float inv = 1.0f / s_L;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
+        out[base * D + d] = from_f<scalar_t>(a * inv);
+    }
+}
+
+// Parallel form of attn_combine (the default): grid (Hq, T), blockDim >= S (a multiple of 32). Thread s
+// reads split s's (max, sum); the block reduces them; every thread then sums its features over the splits
+// with independent loads (8 in flight).
+__device__ __forceinline__ float block_max(float v, float* sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : NEG_INF;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, o));
+    return r;
+}
+
+extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
+                                            scalar_t* __restrict__ out, int S, int D) {
+    __shared__ float s_wt[ATT_MAX_SPLITS];
+    __shared__ float sh[32];
+    const int h = blockIdx.x, t = blockIdx.y;
+    const int Hq = gridDim.x, T = gridDim.y;
+    const long long base = (long long)t * Hq + h;
+    const long long sstride = (long long)T * Hq;
+    const int tid = threadIdx.x;
+    float ms = NEG_INF, ls = 0.f;
+    if (tid < S) {
+        ms = ws_ml[(tid * sstride + base) * 2];
+        ls = ws_ml[(tid * sstride + base) * 2 + 1];
+    }
+    const float M = block_max(ms, sh);
+    const float w = (tid < S && ms != NEG_INF) ? expf(ms - M) : 0.f;
+    if (tid < S) s_wt[tid] = w;
+    const float L = block_sum(w * ls, sh);  // its barriers also publish s_wt
+    const float inv = 1.0f / L;
+    for (int d = tid; d < D; d += blockDim.x) {
+        float a = 0.f;
+#pragma unroll 8
+        for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
+        out[base * D + d] = from_f<scalar_t>(a * inv);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// conv_update: one thread per channel, sliding window in registers over the T tokens (no races:
+// each thread reads and writes only its own channel of the planes).
+// ------------------------------------------------------------------------------------------------
+template <int K, typename W>
+__device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x, long long xs0,
+                                                 scalar_t* __restrict__ ring, const W* __restrict__ w,
+                                                 scalar_t* __restrict__ y, const long long* start_ptr,
+                                                 long long start_val, int T, int C, int n_planes) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const long long start = read_start(start_ptr, start_val);
+    const long long plane = (long long)C * (K - 1);
+    const scalar_t* rp = ring + pmod(start, n_planes) * plane + (long long)c * (K - 1);
+    float win[K - 1], wt[K];
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) win[i] = to_f(rp[i]);
+#pragma unroll
+    for (int i = 0; i < K; ++i) wt[i] = to_f(w[(long long)c * K + i]);
+    const int jfirst = T - n_planes + 1 > 1 ? T - n_planes + 1 : 1;
+    for (int j = 0; j < T; ++j) {
+        const float xv = to_f(x[j * xs0 + c]);
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < K - 1; ++i) acc += win[i] * wt[i];
+        acc += xv * wt[K - 1];
+#pragma unroll
+        for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
+        win[K - 2] = xv;
+        y[(long long)j * C + c] = from_f<scalar_t>(silu_f(acc));
+        if (j + 1 >= jfirst) {  // plane (start + j + 1) holds the window after j + 1 tokens
+            scalar_t* wp = ring + pmod(start + j + 1, n_planes) * plane + (long long)c * (K - 1);
+#pragma unroll
+            for (int i = 0; i < K - 1; ++i) wp[i] = from_f<scalar_t>(win[i]);
+        }
+    }
+}
+
+#define CONV_UPDATE(K)                                                                                     \
+    extern "C" __global__ void conv_update_k##K##_ws(const scalar_t* x, long long xs0, scalar_t* ring,     \
+                                                     const scalar_t* w, scalar_t* y, const long long* sp,   \
+                                                     long long sv, int T, int C, int n_planes) {           \
+        conv_update_impl<K, scalar_t>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                         \
+    }                                                                                                      \
+    extern "C" __global__ void conv_update_k##K##_wf(const scalar_t* x, long long xs0, scalar_t* ring,     \
+                                                     const float* w, scalar_t* y, const long long* sp,      \
+                                                     long long sv, int T, int C, int n_planes) {           \
+        conv_update_impl<K, float>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                            \
+    }
+CONV_UPDATE(2)
+CONV_UPDATE(3)
+CONV_UPDATE(4)
+CONV_UPDATE(5)
+CONV_UPDATE(6)
+CONV_UPDATE(7)
+CONV_UPDATE(8)
+
+// ------------------------------------------------------------------------------------------------
+// gated_delta_rule (recurrent form). Grid (ceil(dv / 32), Hv); block 32 x NS threads: lane = value
+// column within the block's 32, warp = slice of ROWS = DK / NS rows of the dk x dv state. Each thread
+// keeps its ROWS state entries in registers for all T tokens; u = S^T k and o = S^T q are summed over
+// the slices through shared memory. q and k of a chunk of tokens are l2-normalised into shared memory.
+// DK is dk rounded up to a power of two (16 .. 128); rows >= dk are zero and never stored.
+// ------------------------------------------------------------------------------------------------
+#define GDR_TC 16
+
+template <int DK, typename BT>
+__device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
+                                         const scalar_t* __restrict__ k, long long ks0, long long ks1,
+                                         const scalar_t* __restrict__ v, long long vs0, long long vs1,
+                                         const float* __restrict__ g, long long gs0, const BT* __restrict__ beta,
+                                         long long bs0, float* __restrict__ ring, scalar_t* __restrict__ out,
+                                         const long long* start_ptr, long long start_val, int T, int Hk, int Hv,
+                                         int dk, int dv, int n_planes, float qscale) {
+    constexpr int NS = DK >= 32 ? DK / 32 : 1;
+    constexpr int ROWS = DK / NS;
+    constexpr int EPL = (DK + 31) / 32;
+    __shared__ float s_q[GDR_TC][DK];
+    __shared__ float s_k[GDR_TC][DK];
+    __shared__ float s_u[2][NS][32];
+    __shared__ float s_o[2][NS][32];
+
+    const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
+    const int h = blockIdx.y;
+    const int col = blockIdx.x * 32 + lane;
+    const bool active = col < dv;
+    const int kh = h / (Hv / Hk);
+    const long long start = read_start(start_ptr, start_val);
+    const long long plane = (long long)Hv * dk * dv;
+    const long long head_off = (long long)h * dk * dv;
+    const int r0 = slice * ROWS;
+
+    float S[ROWS];
+    {
+        const float* sin_ = ring + pmod(start, n_planes) * plane + head_off;
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            const int r = r0 + i;
+            S[i] = (active && r < dk) ? sin_[(long long)r * dv + col] : 0.f;
+        }
+    }
+
+    for (int t0 = 0; t0 < T; t0 += GDR_TC) {
+        const int tc = T - t0 < GDR_TC ? T - t0 : GDR_TC;
+        __syncthreads();  // the previous chunk's q/k are no longer read
+        for (int tt = slice; tt < tc; tt += NS) {
+            const int t = t0 + tt;
+            const scalar_t* qr = q + t * qs0 + kh * qs1;
+            const scalar_t* kr = k + t * ks0 + kh * ks1;
+            float qa[EPL], ka[EPL];
+            float sq = 0.f, sk = 0.f;
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                const int d = i * 32 + lane;
+                qa[i] = d < dk ? to_f(qr[d]) : 0.f;
+                ka[i] = d < dk ? to_f(kr[d]) : 0.f;
+                sq += qa[i] * qa[i];
+                sk += ka[i] * ka[i];
+            }
+            sq = warp_sum(sq);
+            sk = warp_sum(sk);
+            const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);  // l2norm, eps 1e-6
+#pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                const int d = i * 32 + lane;
+                if (d < DK) {
+                    s_q[tt][d] = (qa[i] * rq) * qscale;  // l2norm(q) * dk^-0.5
+                    s_k[tt][d] = ka[i] * rk;
+                }
+            }
+        }
+        __syncthreads();
+        for (int tt = 0; tt < tc; ++tt) {
+            const int t = t0 + tt;
+            const int buf = t & 1;
+            const float eg = expf(g[t * gs0 + h]);
+            const float bt = to_f(beta[t * bs0 + h]);
+            const float vv = active ? to_f(v[t * vs0 + h * vs1 + col]) : 0.f;
+            float u = 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                S[i] *= eg;                       // S = exp(g) * S
+                u += S[i] * s_k[tt][r0 + i];      // u = S^T k
+            }
+            if (NS > 1) {
+                s_u[buf][slice][lane] = u;
+                __syncthreads();
+                u = 0.f;
+#pragma unroll
+                for (int z = 0; z < NS; ++z) u += s_u[buf][z][lane];
+            }
+            const float delta = bt * (vv - u);
+            float o = 0.f;
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                S[i] += s_k[tt][r0 + i] * delta;  // S += k (beta (v - u))^T
+                o += S[i] * s_q[tt][r0 + i];      // o = S^T q
+            }
+            if (NS > 1) {
+                s_o[buf][slice][lane] = o;
+                __syncthreads();
+                o = 0.f;
+#pragma unroll
+                for (int z = 0; z < NS; ++z) o += s_o[buf][z][lane];
+            }
+            if (active) {
+                if (slice == 0) out[((long long)t * Hv + h) * dv + col] = from_f<scalar_t>(o);
+                float* sout = ring + pmod(start + t + 1, n_planes) * plane + head_off;
+#pragma unroll
+                for (int i = 0; i < ROWS; ++i) {
+                    const int r = r0 + i;
+                    if (r < dk) sout[(long long)r * dv + col] = S[i];
+                }
+            }
+        }
+    }
+}
+
+#define GDR(DK)                                                                                              \
+    extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
+        gdr_dk##DK##_bs(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
+                        long long ks1, const scalar_t* v, long long vs0, long long vs1, const float* g,      \
+                        long long gs0, const scalar_t* beta, long long bs0, float* ring, scalar_t* out,      \
+                        const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
+                        int n_planes, float qscale) {                                                        \
+        gdr_impl<DK, scalar_t>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv,  \
+                               T, Hk, Hv, dk, dv, n_planes, qscale);                                         \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
+        gdr_dk##DK##_bf(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
+                        long long ks1, const scalar_t* v, long long vs0, long long vs1, const float* g,      \
+                        long long gs0, const float* beta, long long bs0, float* ring, scalar_t* out,         \
+                        const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
+                        int n_planes, float qscale) {                                                        \
+        gdr_impl<DK, float>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv, T,  \
+                            Hk, Hv, dk, dv, n_planes, qscale);                                               \
+    }
+GDR(16)
+GDR(32)
+GDR(64)
+GDR(128)
+
+// ------------------------------------------------------------------------------------------------
+// argmax_prob: grid (P parts, T rows), 256 threads. Each thread keeps (max, lowest index of it,
+// sum of exp(x - max)) over a strided range; merged over the block, then (P > 1) over the parts.
+// prob = 1 / sum_i exp(x_i - max).
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void am_merge(float& m, float& s, int& i, float m2, float s2, int i2) {
+    const float M = fmaxf(m, m2);
+    const float a = m == NEG_INF ? 0.f : s * expf(m - M);
+    const float b = m2 == NEG_INF ? 0.f : s2 * expf(m2 - M);
+    int idx;
+    if (m2 > m) idx = i2;
+    else if (m > m2) idx = i;
+    else idx = i < i2 ? i : i2;
+    m = M;
+    s = a + b;
+    i = idx;
+}
+
+__device__ __forceinline__ void am_push(float& m, float& s, int& idx, float v, int i) {
+    if (v > m) {  // strict: within a thread indices increase, so ties keep the lowest index
+        s = (m == NEG_INF ? 0.f : s * expf(m - v)) + 1.0f;
+        m = v;
+        idx = i;
+    } else if (v != NEG_INF) {
+        s += expf(v - m);
+    }
+}
+
+__device__ __forceinline__ void am_block(float& m, float& s, int& idx) {
+    __shared__ float sm[32], ss[32];
+    __shared__ int si[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        am_merge(m, s, idx, m2, s2, i2);
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sm[w] = m;
+        ss[w] = s;
+        si[w] = idx;
+    }
+    __syncthreads();
+    if (w == 0) {
+        m = lane < nw ? sm[lane] : NEG_INF;
+        s = lane < nw ? ss[lane] : 0.f;
+        idx = lane < nw ? si[lane] : I32_MAX;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+            am_merge(m, s, idx, m2, s2, i2);
+        }
+    }
+}
+
+extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
+                                          int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
+                                          int* __restrict__ pi, long long* __restrict__ tok,
+                                          float* __restrict__ prob) {
+    const int p = blockIdx.x, P = gridDim.x, row = blockIdx.y;
+    const scalar_t* lr = logits + (long long)row * ls0;
+    const int b = p * chunk;
+    const int e = n < b + chunk ? n : b + chunk;
+    float m = NEG_INF, s = 0.f;
+    int idx = I32_MAX;
+    const int step = blockDim.x;
+    int tail = b;
+    if (vec_ok && e > b) {
+        // 16-byte loads (b is a multiple of 8 elements, the row 16-byte aligned); two in flight per thread.
+        // A thread's indices still increase, so ties keep the lowest index.
+        constexpr int VEC = 16 / (int)sizeof(scalar_t);
+        const int nvec = (e - b) / VEC;
+        const uint4* vp = reinterpret_cast<const uint4*>(lr + b);
+        for (int c = threadIdx.x; c < nvec; c += 2 * step) {
+            const bool two = c + step < nvec;
+            __align__(16) scalar_t h0[VEC];
+            __align__(16) scalar_t h1[VEC];
+            *reinterpret_cast<uint4*>(h0) = vp[c];
+            if (two) *reinterpret_cast<uint4*>(h1) = vp[c + step];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) am_push(m, s, idx, to_f(h0[i]), b + c * VEC + i);
+            if (two) {
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) am_push(m, s, idx, to_f(h1[i]), b + (c + step) * VEC + i);
+            }
+        }
+        tail = b + nvec * VEC;
+    }
+    int i = tail + threadIdx.x;
+    for (; i + 3 * step < e; i += 4 * step) {
+        const float v0 = to_f(lr[i]), v1 = to_f(lr[i + step]), v2 = to_f(lr[i + 2 * step]),
+                    v3 = to_f(lr[i + 3 * step]);
+        am_push(m, s, idx, v0, i);
+        am_push(m, s, idx, v1, i + step);
+        am_push(m, s, idx, v2, i + 2 * step);
+        am_push(m, s, idx, v3, i + 3 * step);
+    }
+    for (; i < e; i += step) am_push(m, s, idx, to_f(lr[i]), i);
+    am_block(m, s, idx);
+    if (threadIdx.x == 0) {
+        if (P == 1) {
+            tok[row] = idx == I32_MAX ? 0 : idx;
+            prob[row] = 1.0f / s;
+        } else {
+            pm[row * P + p] = m;
+            ps[row * P + p] = s;
+            pi[row * P + p] = idx;
+        }
+    }
+}
+
+// One warp per row: merges the P partials of argmax_partial.
+extern "C" __global__ void argmax_combine(const float* __restrict__ pm, const float* __restrict__ ps,
+                                          const int* __restrict__ pi, int P, long long* __restrict__ tok,
+                                          float* __restrict__ prob) {
+    const int row = blockIdx.x, lane = threadIdx.x;
+    float m = NEG_INF, s = 0.f;
+    int idx = I32_MAX;
+    for (int p = lane; p < P; p += 32) am_merge(m, s, idx, pm[row * P + p], ps[row * P + p], pi[row * P + p]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        am_merge(m, s, idx, m2, s2, i2);
+    }
+    if (lane == 0) {
+        tok[row] = idx == I32_MAX ? 0 : idx;
+        prob[row] = 1.0f / s;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// greedy_accept: a single thread; see reference.greedy_accept. p_min is compared in double, like the
+// reference's float(draft_probs[i]) >= p_min.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void greedy_accept(const long long* __restrict__ drafts, const float* __restrict__ probs,
+                                         const long long* __restrict__ target, double p_min,
+                                         long long* __restrict__ cache_len, long long* __restrict__ out, int n) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    int nv = 0;
+    while (nv < n && (double)probs[nv] >= p_min) ++nv;
+    int k = 0;
+    while (k < nv && drafts[k] == target[k]) ++k;
+    out[0] = k + 1;
+    out[1] = nv;
+    for (int i = 0; i < k; ++i) out[2 + i] = drafts[i];
+    out[2 + k] = target[k];
+    cache_len[0] += k + 1;
+}

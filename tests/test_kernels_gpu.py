@@ -1,0 +1,492 @@
+"""Every CuPy kernel in kernels/cuda.py equals its PyTorch reference in kernels/reference.py.
+
+GPU tests are marked `gpu` (skipped without CUDA by conftest.py; skipped with the reason when CuPy cannot
+run). References run on the same GPU tensors (TF32 off), from clones of every state buffer.
+
+Tolerances (torch.testing.assert_close), per output dtype:
+- fp32: rtol 1e-5, atol 1e-5 * max|ref| (elements that approach 0 through cancellation are compared
+  against the tensor's scale).
+- bf16: rtol 2.5e-2 (about 3 bf16 ulps), atol 2e-3 * max|ref|, and at least 90% of the elements
+  bit-identical: the kernels reproduce the reference's intermediate roundings to bf16, so differences
+  come only from fp32 rounding in the last place flipping a bf16 rounding.
+- fp16: rtol 3e-3, atol 1e-3 * max|ref|.
+- exact (torch.equal): kv_write, the conv planes (copies of inputs), argmax tokens, greedy_accept.
+- argmax probabilities are fp32 maths from identical inputs in both: fp32 tolerance in every dtype.
+- the delta rule's fp32 state planes: fp32 tolerance in every dtype (fp32 maths from identical inputs).
+Ties in argmax: the kernel returns the LOWEST index of the maximum (what torch's CPU max returns);
+random test data has a planted unique maximum, and `test_argmax_ties_lowest_index` checks ties.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels import reference as ref
+
+CUDA = torch.device("cuda")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ---- CPU-runnable ----------------------------------------------------------------------------------
+def test_cuda_module_imports_and_reports_availability():
+    import kernels.cuda as kc
+
+    ok, why = kc.available()
+    assert isinstance(ok, bool)
+    assert isinstance(why, str) and why and "\n" not in why
+    if not torch.cuda.is_available():
+        assert ok is False
+        with pytest.raises(RuntimeError):
+            kc.warm_up("cuda", torch.float32)
+
+
+def test_signatures_match_reference():
+    import kernels.cuda as kc
+
+    for name in ops.NAMES:
+        assert str(inspect.signature(getattr(kc, name))) == str(inspect.signature(getattr(ref, name))), name
+
+
+def test_cpu_tensors_take_the_reference_path():
+    import kernels.cuda as kc
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 32)
+    w = torch.randn(32)
+    torch.testing.assert_close(kc.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6), rtol=0, atol=0)
+    tok, prob = kc.argmax_prob(x, 0)
+    rt, rp = ref.argmax_prob(x, 0)
+    assert torch.equal(tok, rt) and torch.equal(prob, rp)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kc():
+    import kernels.cuda as kc
+
+    ok, why = kc.available()
+    if not ok:
+        pytest.skip(f"CUDA kernels unavailable: {why}")
+    prev = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield kc
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
+def close(out: torch.Tensor, expect: torch.Tensor, name: str = "") -> None:
+    assert out.shape == expect.shape, (name, out.shape, expect.shape)
+    assert out.dtype == expect.dtype, (name, out.dtype, expect.dtype)
+    amax = float(expect.float().abs().max()) if expect.numel() else 0.0
+    if out.dtype == torch.float32:
+        rtol, atol = 1e-5, max(1e-5 * amax, 1e-7)
+    elif out.dtype == torch.bfloat16:
+        rtol, atol = 2.5e-2, max(2e-3 * amax, 1e-6)
+    else:
+        rtol, atol = 3e-3, max(1e-3 * amax, 1e-6)
+    torch.testing.assert_close(out, expect, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    if out.dtype == torch.bfloat16 and out.numel() >= 64:
+        same = (out.view(torch.int16) == expect.view(torch.int16)).float().mean().item()
+        assert same >= 0.9, f"{name}: only {same:.3f} of the bf16 elements are bit-identical"
+
+
+def as_start(s: int, tensor: bool):
+    return torch.tensor([s], dtype=torch.int64, device=CUDA) if tensor else s
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=CUDA) * scale).to(dtype)
+
+
+# ---- norms -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [16, 64, 256, 384, 4096, 8192])
+@pytest.mark.parametrize("t", [1, 9])
+def test_rmsnorm(kc, dtype, d, t):
+    torch.manual_seed(d + t)
+    x = rnd(t, 3, d, dtype=dtype, scale=2.0)
+    w = rnd(d, dtype=dtype, scale=0.1)
+    close(kc.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6), "rmsnorm")
+    wf = w.float()
+    close(kc.rmsnorm(x, wf, 1e-6), ref.rmsnorm(x, wf, 1e-6), "rmsnorm fp32 weight")
+    # a strided view, like q = qg[..., :d] in the attention layer
+    qg = rnd(t, 4, 2 * d, dtype=dtype)
+    xv = qg[..., :d]
+    close(kc.rmsnorm(xv, w, 1e-6), ref.rmsnorm(xv, w, 1e-6), "rmsnorm strided")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 384, 4096])
+@pytest.mark.parametrize("t", [1, 4, 17])
+def test_add_rmsnorm(kc, dtype, d, t):
+    torch.manual_seed(d * 7 + t)
+    x = rnd(t, d, dtype=dtype)
+    r = rnd(t, d, dtype=dtype, scale=3.0)
+    for w in (rnd(d, dtype=dtype, scale=0.1), rnd(d, scale=0.1)):
+        y, s = kc.add_rmsnorm(x, r, w, 1e-6)
+        ry, rs = ref.add_rmsnorm(x, r, w, 1e-6)
+        assert torch.equal(s, rs)  # the sum is one rounding of x + residual in both
+        close(y, ry, "add_rmsnorm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hv,dv", [(4, 8), (4, 64), (32, 128)])
+@pytest.mark.parametrize("t", [1, 9])
+def test_gated_rmsnorm(kc, dtype, hv, dv, t):
+    torch.manual_seed(hv + dv + t)
+    x = rnd(t, hv, dv, dtype=dtype)
+    zbig = rnd(t, hv * dv * 2, dtype=dtype, scale=2.0)
+    gate = zbig[:, : hv * dv].view(t, hv, dv)
+    for w in (rnd(dv, dtype=dtype, scale=0.5) + 1, rnd(dv, scale=0.5) + 1):
+        for gt in (gate, gate.float()):
+            close(kc.gated_rmsnorm(x, gt, w, 1e-6), ref.gated_rmsnorm(x, gt, w, 1e-6), "gated_rmsnorm")
+
+
+# ---- rope / kv -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,d,rot", [(4, 16, 4), (6, 64, 16), (16, 256, 64), (4, 256, 256)])
+@pytest.mark.parametrize("start", [0, 7, 4090, 32750])
+def test_rope_partial(kc, dtype, heads, d, rot, start):
+    torch.manual_seed(heads + d + start)
+    t = 9
+    x = rnd(t, heads, d, dtype=dtype)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=CUDA) / rot))
+    pos = torch.arange(start, start + t, device=CUDA)
+    close(kc.rope_partial(x, pos, inv_freq), ref.rope_partial(x, pos, inv_freq), "rope")
+    xs = rnd(t, heads, 2 * d, dtype=dtype)[..., d:]  # strided view
+    close(kc.rope_partial(xs, pos, inv_freq), ref.rope_partial(xs, pos, inv_freq), "rope strided")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 4, 17])
+@pytest.mark.parametrize("start", [0, 33, 2031])
+@pytest.mark.parametrize("tensor_start", [False, True])
+def test_kv_write(kc, dtype, t, start, tensor_start):
+    torch.manual_seed(t + start)
+    max_ctx, hkv, d = 2048, 4, 256
+    kc0, vc0 = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
+    k, v = rnd(t, hkv, d, dtype=dtype), rnd(t, hkv, d, dtype=dtype)
+    a, b = kc0.clone(), vc0.clone()
+    kc.kv_write(a, b, k, v, as_start(start, tensor_start))
+    ra, rb = kc0.clone(), vc0.clone()
+    ref.kv_write(ra, rb, k, v, start)
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
+# ---- attention -------------------------------------------------------------------------------------
+ATT_SHAPES = [(4, 2, 16), (6, 2, 64), (16, 4, 256), (8, 8, 128), (4, 1, 96), (2, 2, 20)]
+ATT_IMPLS = ["tile", "warp"]  # kernels.cuda._ATT_IMPL: the tiled default and the per-row cross-check
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ATT_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", ATT_SHAPES)
+@pytest.mark.parametrize("t", [1, 4, 9, 17])
+@pytest.mark.parametrize("start,tensor_start", [(0, False), (1, True), (37, False), (1000, True), (2030, False)])
+def test_attention_cached(kc, monkeypatch, impl, dtype, hq, hkv, d, t, start, tensor_start):
+    monkeypatch.setattr(kc, "_ATT_IMPL", impl)
+    torch.manual_seed(hq * 1000 + d + t + start)
+    max_ctx = 2048
+    kcache = rnd(max_ctx, hkv, d, dtype=dtype)  # rows past start+t hold garbage that must be masked
+    vcache = rnd(max_ctx, hkv, d, dtype=dtype)
+    q = rnd(t, hq, d, dtype=dtype, scale=2.0)
+    scale = d**-0.5
+    out = kc.attention_cached(q, kcache, vcache, as_start(start, tensor_start), scale)
+    close(out, ref.attention_cached(q, kcache, vcache, start, scale), f"attention T={t} start={start}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["par", "serial"])
+@pytest.mark.parametrize("impl", ATT_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,start", [(1, 20000), (17, 32768 - 17), (4, 32000)])
+def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start):
+    monkeypatch.setattr(kc, "_ATT_IMPL", impl)
+    monkeypatch.setattr(kc, "_ATT_COMBINE", combine)
+    torch.manual_seed(start)
+    max_ctx, hq, hkv, d = 32768, 16, 4, 256
+    kcache = rnd(max_ctx, hkv, d, dtype=dtype)
+    vcache = rnd(max_ctx, hkv, d, dtype=dtype)
+    q = rnd(t, hq, d, dtype=dtype, scale=3.0)
+    for st in (start, as_start(start, True)):
+        out = kc.attention_cached(q, kcache, vcache, st, d**-0.5)
+        close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5), "attention long")
+
+
+# ---- conv ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("c,k", [(96, 4), (512, 4), (8192, 4), (130, 2), (64, 6)])
+@pytest.mark.parametrize("t", [1, 4, 9, 17])
+@pytest.mark.parametrize("n_planes,start,tensor_start", [(18, 0, False), (18, 13, True), (6, 5, True), (4, 2, False)])
+def test_conv_update(kc, dtype, c, k, t, n_planes, start, tensor_start):
+    torch.manual_seed(c + k + t + n_planes + start)
+    ring0 = rnd(n_planes, c, k - 1, dtype=dtype)
+    x = rnd(t, c, dtype=dtype)
+    for w in (rnd(c, k, dtype=dtype, scale=0.5), rnd(c, k, scale=0.5)):
+        ring = ring0.clone()
+        out = kc.conv_update(x, ring, w, as_start(start, tensor_start))
+        rring = ring0.clone()
+        expect = ref.conv_update(x, rring, w, start)
+        close(out, expect, "conv_update")
+        assert torch.equal(ring, rring), "conv planes differ"
+
+
+# ---- gated delta rule ----------------------------------------------------------------------------------
+GDR_SHAPES = [(2, 4, 16, 8), (2, 4, 64, 64), (16, 32, 128, 128), (4, 4, 32, 32), (1, 2, 48, 40)]
+
+
+def _gdr_inputs(t, hk, hv, dk, dv, dtype, n_planes):
+    # q, k, v as strided views of one projection, like the model's split of the conv output
+    qkv = rnd(t, 2 * hk * dk + hv * dv, dtype=dtype)
+    q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+    g = -torch.rand(t, hv, device=CUDA) * 0.5  # fp32 log-decay
+    beta = torch.sigmoid(rnd(t, hv)).to(dtype)
+    state = rnd(n_planes, hv, dk, dv, scale=0.3)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv", GDR_SHAPES)
+@pytest.mark.parametrize("t", [1, 4, 9, 17])
+@pytest.mark.parametrize("start,tensor_start", [(0, False), (5, True), (22, True)])
+def test_gated_delta_rule(kc, dtype, hk, hv, dk, dv, t, start, tensor_start):
+    torch.manual_seed(hk + hv + dk + dv + t + start)
+    n_planes = 18
+    q, k, v, g, beta, state0 = _gdr_inputs(t, hk, hv, dk, dv, dtype, n_planes)
+    for b in (beta, beta.float()):
+        ring = state0.clone()
+        out = kc.gated_delta_rule(q, k, v, g, b, ring, as_start(start, tensor_start))
+        rring = state0.clone()
+        expect = ref.gated_delta_rule(q, k, v, g, b, rring, start)
+        close(out, expect, f"delta rule out T={t}")
+        close(ring, rring, "delta rule planes")  # includes the planes that must stay untouched
+
+
+@pytest.mark.gpu
+def test_gated_delta_rule_refuses_too_few_planes(kc):
+    q, k, v, g, beta, state = _gdr_inputs(4, 2, 4, 16, 8, torch.float32, 4)
+    with pytest.raises(ValueError):
+        kc.gated_delta_rule(q, k, v, g, beta, state, 0)
+
+
+# ---- argmax / acceptance ---------------------------------------------------------------------------------
+def _logits(t, vocab, n, dtype):
+    lg = torch.randn(t, vocab, device=CUDA) * 2.0
+    lg = lg.clamp(-8, 8)
+    hot = torch.randint(0, n, (t,), device=CUDA)
+    lg[torch.arange(t, device=CUDA), hot] = 9.0 + torch.rand(t, device=CUDA)  # a unique maximum in [0, n)
+    if n < vocab:
+        lg[:, n + (vocab - n) // 2] = 20.0  # a larger value past n that must be ignored
+    return lg.to(dtype), hot
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [320, 16384, 32768, 262144])
+@pytest.mark.parametrize("t", [1, 4, 9, 17])
+@pytest.mark.parametrize("frac", [0, 0.25, 1.0])
+def test_argmax_prob(kc, dtype, vocab, t, frac):
+    torch.manual_seed(vocab + t)
+    n = 0 if frac == 0 else int(vocab * frac)
+    lg, hot = _logits(t, vocab, n or vocab, dtype)
+    tok, prob = kc.argmax_prob(lg, n)
+    rt, rp = ref.argmax_prob(lg, n)
+    assert tok.dtype == torch.int64 and prob.dtype == torch.float32
+    assert torch.equal(tok, rt) and torch.equal(tok, hot)
+    torch.testing.assert_close(prob, rp, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_ties_lowest_index(kc, dtype):
+    vocab = 262144
+    lg = torch.zeros(3, vocab, device=CUDA, dtype=dtype)
+    lg[0, 5] = lg[0, 17] = 3.0  # tie inside one block
+    lg[1, 100] = lg[1, vocab - 3] = 3.0  # tie across the split parts
+    lg[2] = 1.0  # all equal
+    tok, prob = kc.argmax_prob(lg, 0)
+    assert tok.tolist() == [5, 100, 0]
+    torch.testing.assert_close(prob, ref.argmax_prob(lg, 0)[1], rtol=1e-5, atol=1e-9)
+    # torch's CPU max returns the first maximum too
+    assert ref.argmax_prob(lg.cpu(), 0)[0].tolist() == [5, 100, 0]
+
+
+@pytest.mark.gpu
+def test_greedy_accept(kc):
+    gen = torch.Generator().manual_seed(3)
+    cases = 0
+    for n in (0, 1, 2, 3, 5, 8):
+        for p_min in (0.0, 0.3, 0.5, 0.9):
+            for _ in range(6):
+                target = torch.randint(0, 50, (n + 1,), generator=gen)
+                drafts = target[:n].clone()
+                if n:
+                    wrong = int(torch.randint(0, n + 1, (1,), generator=gen))  # first mismatch (n: none)
+                    if wrong < n:
+                        drafts[wrong] = (drafts[wrong] + 1) % 50
+                probs = torch.rand(n, generator=gen)
+                if n:
+                    probs[int(torch.randint(0, n, (1,), generator=gen))] = p_min  # equality counts as valid
+                probs = probs.float()
+                out_h = torch.full((n + 3,), -7, dtype=torch.int64)
+                cl_h = torch.tensor([123], dtype=torch.int64)
+                ref.greedy_accept(drafts, probs, target, p_min, cl_h, out_h)
+                out_d = torch.full((n + 3,), -7, dtype=torch.int64, device=CUDA)
+                cl_d = torch.tensor([123], dtype=torch.int64, device=CUDA)
+                kc.greedy_accept(drafts.to(CUDA), probs.to(CUDA), target.to(CUDA), p_min, cl_d, out_d)
+                assert out_d.cpu().tolist() == out_h.tolist(), (n, p_min, drafts, probs, target)
+                assert cl_d.cpu().tolist() == cl_h.tolist()
+                cases += 1
+    assert cases == 144
+
+
+# ---- fp16 smoke ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_fp16_smoke(kc):
+    dtype = torch.float16
+    torch.manual_seed(11)
+    x, w = rnd(4, 384, dtype=dtype), rnd(384, dtype=dtype, scale=0.1)
+    close(kc.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6), "fp16 rmsnorm")
+    kcache, vcache = rnd(256, 2, 64, dtype=dtype), rnd(256, 2, 64, dtype=dtype)
+    q = rnd(5, 6, 64, dtype=dtype)
+    close(kc.attention_cached(q, kcache, vcache, 100, 0.125), ref.attention_cached(q, kcache, vcache, 100, 0.125))
+    q, k, v, g, beta, s0 = _gdr_inputs(5, 2, 4, 64, 64, dtype, 8)
+    a, b = s0.clone(), s0.clone()
+    close(kc.gated_delta_rule(q, k, v, g, beta, a, 3), ref.gated_delta_rule(q, k, v, g, beta, b, 3))
+    close(a, b)
+    lg, hot = _logits(3, 16384, 16384, dtype)
+    assert torch.equal(kc.argmax_prob(lg, 0)[0], hot)
+
+
+# ---- graphs and host syncs ------------------------------------------------------------------------------
+class _Step:
+    """A decode-like sequence of every stateful op, on static buffers, with a device-side start."""
+
+    def __init__(self, dtype):
+        torch.manual_seed(5)
+        self.dtype = dtype
+        self.t, hq, hkv, d = 4, 6, 2, 64
+        hk, hv, dk, dv = 2, 4, 64, 64
+        c, k, n = 2 * hk * dk + hv * dv, 4, 8
+        self.vocab = 16384
+        self.max_ctx = 512
+        t = self.t
+        self.q, self.k, self.v = rnd(t, hq, d, dtype=dtype), rnd(t, hkv, d, dtype=dtype), rnd(t, hkv, d, dtype=dtype)
+        self.kc0, self.vc0 = rnd(self.max_ctx, hkv, d, dtype=dtype), rnd(self.max_ctx, hkv, d, dtype=dtype)
+        self.kcache, self.vcache = self.kc0.clone(), self.vc0.clone()
+        self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32, device=CUDA) / 16))
+        self.x, self.w = rnd(t, c, dtype=dtype), rnd(c, k, dtype=dtype, scale=0.5)
+        self.ring0 = rnd(n, c, k - 1, dtype=dtype)
+        self.ring = self.ring0.clone()
+        self.dq, self.dk_, self.dv_, self.g, self.beta, self.st0 = _gdr_inputs(t, hk, hv, dk, dv, dtype, n)
+        self.state = self.st0.clone()
+        self.logits, self.hot = _logits(t, self.vocab, self.vocab, dtype)
+        self.drafts = self.hot[: t - 1].clone()
+        self.drafts[2] += 1  # accept 2, then the bonus
+        self.dprobs = torch.tensor([0.9, 0.6, 0.7], device=CUDA)
+        self.cache_len = torch.zeros(1, dtype=torch.int64, device=CUDA)
+        self.out = torch.zeros(t + 2, dtype=torch.int64, device=CUDA)
+        self.start = torch.zeros(1, dtype=torch.int64, device=CUDA)
+        self.scale = d**-0.5
+
+    def reset(self, s: int) -> None:
+        self.kcache.copy_(self.kc0)
+        self.vcache.copy_(self.vc0)
+        self.ring.copy_(self.ring0)
+        self.state.copy_(self.st0)
+        self.cache_len.fill_(s)
+        self.out.fill_(-1)
+        self.start.fill_(s)
+
+    def run(self, ops_, start):
+        pos = (
+            start + torch.arange(self.t, device=CUDA)
+            if isinstance(start, torch.Tensor)
+            else (torch.arange(start, start + self.t, device=CUDA))
+        )
+        qr = ops_.rope_partial(self.q, pos, self.inv_freq)
+        kr = ops_.rope_partial(self.k, pos, self.inv_freq)
+        ops_.kv_write(self.kcache, self.vcache, kr, self.v, start)
+        att = ops_.attention_cached(qr, self.kcache, self.vcache, start, self.scale)
+        conv = ops_.conv_update(self.x, self.ring, self.w, start)
+        o = ops_.gated_delta_rule(self.dq, self.dk_, self.dv_, self.g, self.beta, self.state, start)
+        tok, prob = ops_.argmax_prob(self.logits, 0)
+        ops_.greedy_accept(self.drafts, self.dprobs, tok, 0.5, self.cache_len, self.out)
+        return qr, att, conv, o, tok, prob
+
+    def expected(self, s: int):
+        saved = [b.clone() for b in (self.kcache, self.vcache, self.ring, self.state, self.cache_len, self.out)]
+        self.reset(s)
+        outs = self.run(ref, s)
+        bufs = [b.clone() for b in (self.kcache, self.vcache, self.ring, self.state, self.cache_len, self.out)]
+        for b, v in zip((self.kcache, self.vcache, self.ring, self.state, self.cache_len, self.out), saved):
+            b.copy_(v)
+        return outs, bufs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_capture_replay_with_device_start(kc, dtype):
+    kc.warm_up(CUDA, dtype)
+    step = _Step(dtype)
+    step.reset(3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up of the exact sequence, as torch recommends
+        step.run(kc, step.start)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step.run(kc, step.start)
+    for s in (0, 9, 13, 300, 512 - 4):  # 13 and 9 wrap the 8-plane rings differently
+        expect, bufs = step.expected(s)
+        step.reset(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        names = ("rope", "attention", "conv", "delta", "token", "prob")
+        for name, a, b in zip(names, outs, expect):
+            if name == "token":
+                assert torch.equal(a, b), (s, a, b)
+            elif name == "prob":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            else:
+                close(a, b, f"graph {name} start={s}")
+        close(step.kcache, bufs[0], "graph k cache")
+        close(step.vcache, bufs[1], "graph v cache")
+        assert torch.equal(step.ring, bufs[2])
+        close(step.state, bufs[3], "graph delta planes")
+        assert step.cache_len.item() == bufs[4].item() == s + 3
+        assert step.out.tolist() == bufs[5].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_host_sync_with_device_start(kc, dtype):
+    kc.warm_up(CUDA, dtype)
+    step = _Step(dtype)
+    step.reset(21)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step.run(kc, step.start)
+        x, w = rnd(4, 384, dtype=dtype), rnd(384, dtype=dtype)
+        kc.rmsnorm(x, w, 1e-6)
+        kc.add_rmsnorm(x, x, w, 1e-6)
+        kc.gated_rmsnorm(x, x, w, 1e-6)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
