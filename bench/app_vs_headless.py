@@ -33,15 +33,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="code_gen")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads for both sides (default: what the app "
+        "uses on the CPU, one core fewer than the machine has)",
+    )
     args = parser.parse_args(argv)
 
     if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from app.worker import cpu_threads_for_the_engine
+
+    # The same thread count on both sides: it is part of "the same settings" (the app would
+    # otherwise set its own when it loads on the CPU).
+    threads = args.threads or (cpu_threads_for_the_engine() if args.device == "cpu" else torch.get_num_threads())
+    os.environ["SPECDECK_CPU_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
     import app  # noqa: F401 (applies the PySide6 6.12.0 guard before any signal is emitted)
@@ -49,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.profiles import load_profile
     from engine.workloads import load_workloads
 
-    qt_app = QApplication.instance() or QApplication(sys.argv[:1])
+    qt_app = QApplication.instance() or QApplication(sys.argv[:1])  # noqa: F841 (kept alive while the window lives)
     from app.window import MainWindow
 
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
@@ -82,20 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     window.tabs.setCurrentIndex(0)
     finished: list = []
     window.run_finished.connect(finished.append)
+    # Wait in a real event loop, as the app does: a loop of processEvents() + sleep() would wake
+    # the GUI thread a thousand times a second and take the GIL from the engine each time.
+    loop = QEventLoop()
+    window.run_finished.connect(loop.quit)
 
     def app_run() -> tuple[float, float]:
         finished.clear()
-        window.start_run()  # the worker's session is reset by the fresh prompt
-        while not finished:
-            qt_app.processEvents()
-            time.sleep(0.001)
+        window.start_run()  # the same prompt again: the engine resets the worker's session
+        loop.exec()
         result = finished[0]
         if result.stop_reason not in ("length", "eos"):
             raise RuntimeError(f"app run ended with {result.stop_reason}: {window.last_error}")
         return result.stats["tokens_per_second"], result.generated / result.wall_s
 
     print(
-        f"model {engine.info['name']} on {args.device} ({args.dtype}), profile {profile.name!r}: "
+        f"model {engine.info['name']} on {args.device} ({args.dtype}, {threads} CPU threads), "
+        f"profile {profile.name!r}: "
         f"{settings}\nworkload {args.workload}, {args.tokens} tokens, {args.repeats} runs per side"
     )
     headless_run()  # warm-up: first-call costs (allocations, kernel selection) out of the timing

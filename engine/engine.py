@@ -159,12 +159,20 @@ class Engine:
         }
 
     def memory(self) -> dict[str, int]:
-        """Bytes per component, all devices together, counted from the tensors the engine holds."""
+        """Bytes per component, all devices together, counted from the tensors the engine holds.
+
+        Cached: recounted only when what it depends on changes (sessions, plan pools, mirroring)."""
+        sessions = self._sessions()
+        key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
+        cached = getattr(self, "_memory_cache", None)
+        if cached is not None and cached[0] == key:
+            return dict(cached[1])
         total: dict[str, int] = {}
         for per_device in self.memory_by_device().values():
-            for key, value in per_device.items():
-                total[key] = total.get(key, 0) + value
-        return total
+            for name, value in per_device.items():
+                total[name] = total.get(name, 0) + value
+        self._memory_cache = (key, total)
+        return dict(total)
 
     def memory_by_device(self) -> dict[str, dict[str, int]]:
         """Bytes per device and component: weights, kv_cache, snapshot_planes, graph_pools, workspace."""

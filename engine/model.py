@@ -32,15 +32,37 @@ class Model:
             cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot)
         )
         self.scale = cfg.head_dim**-0.5
+        self.arange = torch.arange(64, device=self.device)  # row offsets of a batch (one kernel, not two)
         tied = cfg.tie_word_embeddings
         self.parameter_count = sum(t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight"))
         self.device_names = [str(self.device)]
+        self._pack()
+
+    def _pack(self) -> None:
+        """Projections that read the same input become one GEMM (q|k|v; delta-net qkv|z|b|a; MLP gate|up):
+        fewer launches and one long weight read instead of several short ones. Constants are folded."""
+        w = self.w
+        for name in list(w):
+            if name not in w:
+                continue
+            if name.endswith("self_attn.q_proj.weight"):
+                p = name[: -len("q_proj.weight")]
+                parts = [w.pop(p + n) for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")]
+                w[p + "qkv_packed"] = torch.cat(parts).contiguous()
+            elif name.endswith("linear_attn.in_proj_qkv.weight"):
+                p = name[: -len("in_proj_qkv.weight")]
+                parts = [w.pop(p + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+                w[p + "in_proj_packed"] = torch.cat(parts).contiguous()
+                w[p + "neg_exp_A"] = -w[p + "A_log"].float().exp()
+            elif name.endswith("mlp.gate_proj.weight"):
+                p = name[: -len("gate_proj.weight")]
+                parts = [w.pop(p + n) for n in ("gate_proj.weight", "up_proj.weight")]
+                w[p + "gate_up_packed"] = torch.cat(parts).contiguous()
 
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
-        up = F.linear(x, w[p + "mlp.up_proj.weight"])
+        gate, up = F.linear(x, w[p + "mlp.gate_up_packed"]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
 
     def _attention(
@@ -49,13 +71,14 @@ class Model:
         cfg, w = self.cfg, self.w
         t = x.shape[0]
         d = cfg.head_dim
-        qg = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(t, cfg.num_attention_heads, 2 * d)
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        qg, k, v = F.linear(x, w[p + "self_attn.qkv_packed"]).split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+        qg = qg.reshape(t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
-        k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(t, cfg.num_key_value_heads, d)
-        v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, cfg.num_key_value_heads, d)
+        k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
         q = ops.rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
         k = ops.rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        positions = torch.arange(t, device=x.device) + start
+        positions = (self.arange[:t] if t <= 64 else torch.arange(t, device=x.device)) + start
         q = ops.rope_partial(q, positions, self.inv_freq)
         k = ops.rope_partial(k, positions, self.inv_freq)
         ops.kv_write(k_cache, v_cache, k, v, start)
@@ -71,15 +94,13 @@ class Model:
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = F.linear(x, w[p + "in_proj_qkv.weight"])
-        z = F.linear(x, w[p + "in_proj_z.weight"]).view(t, hv, dv)
-        b = F.linear(x, w[p + "in_proj_b.weight"])
-        a = F.linear(x, w[p + "in_proj_a.weight"])
-        qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
+        qkv, z, b, a = F.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
+        z = z.reshape(t, hv, dv)
+        qkv = ops.conv_update(qkv.contiguous(), state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
         beta = torch.sigmoid(b)
-        g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"])
+        g = w[p + "neg_exp_A"] * F.softplus(a.float() + w[p + "dt_bias"])
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
         o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
@@ -107,18 +128,21 @@ class Model:
         """The target's layers over T tokens starting at `start` (a host int, or a device tensor, which is
         what a captured graph reads). Pure device work: no host bookkeeping, no host reads with kernels."""
         cfg, w = self.cfg, self.w
-        x = F.embedding(ids, w["embed_tokens.weight"])
         eps = cfg.rms_norm_eps
+        n = cfg.num_layers
+        residual = F.embedding(ids, w["embed_tokens.weight"])
+        h = ops.rmsnorm(residual, w["layers.0.input_layernorm.weight"], eps)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps)
             if kind == "full_attention":
-                h = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
+                m = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
             else:
-                h = self._delta_net(i, h, state, start, recurrent)
-            h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
-            x = x + self._mlp(p, h)
-        return ops.rmsnorm(x, w["norm.weight"], eps)
+                m = self._delta_net(i, h, state, start, recurrent)
+            h, residual = ops.add_rmsnorm(m, residual, w[p + "post_attention_layernorm.weight"], eps)
+            # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
+            next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
+            h, residual = ops.add_rmsnorm(self._mlp(p, h), residual, next_norm, eps)
+        return h
 
     def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device."""

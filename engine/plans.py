@@ -25,7 +25,6 @@ class PlanPool:
         self.misses = 0
         self.capture_s = 0.0
         self.pool_bytes = 0
-        self._mempool = torch.cuda.graph_pool_handle() if self.capturable else None
 
     def run(self, key: Hashable, capacity: int, work: Callable[[], Any]) -> Any:
         """Run `work` (device work on static buffers only) as a captured graph when possible."""
@@ -43,7 +42,7 @@ class PlanPool:
         t0 = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph):  # a private memory pool per plan: evicting one frees its memory
             outputs = work()  # recorded, not executed
         self.pool_bytes += max(0, torch.cuda.memory_allocated(self.device) - before)
         self.capture_s += time.perf_counter() - t0

@@ -29,6 +29,7 @@ No Qt here: the CLI (`specdeck bench --profile NAME`) reads profiles through thi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import os
@@ -265,10 +266,8 @@ def write_atomically(path: Path, text: str) -> None:
             os.fsync(tmp.fileno())
         os.replace(tmp_name, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
-        except FileNotFoundError:
-            pass
         raise
     try:
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -505,10 +504,8 @@ def _nvml_gpus() -> tuple[list[str], str | None]:
     except Exception:
         return [], None
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _drop_none(value: Any) -> Any:

@@ -105,6 +105,9 @@ def allowed_sync(device: torch.device):
         yield
         return
     mode = torch.cuda.get_sync_debug_mode()
+    if mode == 0:
+        yield
+        return
     torch.cuda.set_sync_debug_mode(0)
     try:
         yield
@@ -113,16 +116,12 @@ def allowed_sync(device: torch.device):
 
 
 def _stage(state: SessionState, values: list[int]) -> None:
-    """Copy [target_len, mtp_first, last_token, catch-up tokens...] into the static device buffers."""
+    """[target_len, mtp_first, last_token, catch-up tokens...] -> the static device buffers, which are views
+    of one packed buffer laid out the same way: one host-to-device copy (async from pinned memory)."""
+    k = len(values)
     host = state.stage_host
-    host[: len(values)] = torch.tensor(values, dtype=torch.long)
-    dev = state.start_buf.device
-    src = host[: len(values)].to(dev, non_blocking=True) if dev.type == "cuda" else host[: len(values)]
-    state.start_buf.copy_(src[0:1])
-    state.mtp_start_buf.copy_(src[1:2])
-    state.ids_buf[0:1].copy_(src[2:3])
-    if len(values) > 3:
-        state.mtp_tok_buf[: len(values) - 3].copy_(src[3:])
+    host[:k] = torch.tensor(values, dtype=torch.long)
+    state.stage_dev[:k].copy_(host[:k], non_blocking=True)
 
 
 def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub: int) -> None:
@@ -130,7 +129,7 @@ def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub:
     rows = state.mtp_start_buf + torch.arange(width, device=model.device)
     y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
     y = y[-1:]
-    for s in range(depth):
+    for s in range(depth):  # noqa: B007
         tok, prob = model.pick(y, sub)
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
@@ -161,8 +160,7 @@ def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min
 def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None:
     """Target over ids_buf[:width]; hidden rows saved; greedy acceptance into out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
-    rows = state.start_buf + torch.arange(width, device=model.device)
-    state.hidden.index_copy_(0, rows, hidden)
+    state.hidden.index_copy_(0, state.start_buf + torch.arange(width, device=model.device), hidden)
     target_tokens, _ = model.pick(hidden, 0)
     state.cache_len_buf.copy_(state.start_buf)
     ops.greedy_accept(
@@ -205,7 +203,10 @@ def run_round(
     first = state.mtp_len
     width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1
     use_mtp = drafter is None and model.has_mtp and depth > 0 and width_mtp > 0
-    _stage(state, [n - 1, first, state.tokens[-1], *(state.tokens[first + 1 : n] if use_mtp else [])])
+    staged = [n - 1, first, state.tokens[-1]]
+    if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
+        staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
+    _stage(state, staged)
 
     n_drafts = depth
     p_min = settings.p_min

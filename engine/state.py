@@ -63,16 +63,19 @@ class SessionState:
         self.mtp_v_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(n_mtp)]
         self.hidden = torch.zeros((max_context, cfg.hidden_size), device=device, dtype=dtype)
         # Static round buffers: captured plans read and write only these (their addresses never change).
+        # The staged inputs are views of one packed buffer so the host fills them with a single copy:
+        # [target length, first pending MTP row, verify ids (last token, drafts...), catch-up tokens...]
         width = n_planes  # >= max verify width (depth + 1) + 1
-        self.start_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length before the round
-        self.mtp_start_buf = torch.zeros(1, dtype=torch.long, device=device)  # first pending MTP row
+        self.stage_dev = torch.zeros(2 + width + max_context, dtype=torch.long, device=device)
+        self.start_buf = self.stage_dev[0:1]  # target length before the round
+        self.mtp_start_buf = self.stage_dev[1:2]  # first pending MTP row
+        self.ids_buf = self.stage_dev[2 : 2 + width]  # verify input: last token, drafts
+        self.mtp_tok_buf = self.stage_dev[2 + width :]  # catch-up tokens (host writes them after ids_buf)
         self.cache_len_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length after acceptance
-        self.ids_buf = torch.zeros(width, dtype=torch.long, device=device)  # verify input: last token, drafts
         self.probs_buf = torch.ones(width, dtype=torch.float32, device=device)  # the drafts' probabilities
         self.out_buf = torch.zeros(width + 2, dtype=torch.long, device=device)  # acceptance result
-        self.mtp_tok_buf = torch.zeros(max_context, dtype=torch.long, device=device)  # catch-up tokens
         pinned = device.type == "cuda"
-        self.stage_host = torch.zeros(max_context + 3, dtype=torch.long, pin_memory=pinned)
+        self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
         self.legacy_clamped_planes = False
@@ -116,7 +119,7 @@ class SessionState:
         out = {
             "kv_cache": [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache],
             "snapshot_planes": [*self.delta_planes.values(), *self.conv_planes.values()],
-            "workspace": [self.hidden, self.mtp_tok_buf, self.ids_buf, self.out_buf],
+            "workspace": [self.hidden, self.stage_dev, self.out_buf],
         }
         for shard in self.shards:
             for key, tensors in shard.buffers().items():
