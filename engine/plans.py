@@ -40,11 +40,11 @@ class PlanPool:
         self.misses += 1
         result = work()  # this round's real work, eagerly; it also warms everything up for capture
         t0 = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.device)
+        before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # a private memory pool per plan: evicting one frees its memory
             outputs = work()  # recorded, not executed
-        self.pool_bytes += max(0, torch.cuda.memory_allocated(self.device) - before)
+        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)  # the plan's private pool
         self.capture_s += time.perf_counter() - t0
         self.graphs[key] = (graph, outputs)
         self._evict(capacity)
