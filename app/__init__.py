@@ -12,4 +12,9 @@ only through Engine.load / stream / session.settings / session.cancel and the Ro
     monitor.py       NVML + /proc sampler on its own thread, and the GPU monitor tab
     profiles_view.py the profiles tab (files handled by engine.profiles)
     bench_tab.py     A/B bench of two profiles (engine.bench, the same code as `specdeck bench`)
+    qt_compat.py     a guard against a PySide6 6.12.0 refcount bug on Python 3.11
 """
+
+from app.qt_compat import guard_singleton_refcounts
+
+guard_singleton_refcounts()

@@ -11,12 +11,12 @@ power sensor, an older driver) is None and shown as "n/a", never as zero.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
@@ -119,15 +119,17 @@ class NvmlReader:
             utilization = _try(nvml.nvmlDeviceGetUtilizationRates, handle)
             if utilization is not None:
                 reading.utilization_percent = float(utilization.gpu)
-            temperature = _try(nvml.nvmlDeviceGetTemperature, handle,
-                               getattr(nvml, "NVML_TEMPERATURE_GPU", 0))
+            temperature = _try(nvml.nvmlDeviceGetTemperature, handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0))
             if temperature is not None:
                 reading.temperature_c = float(temperature)
             power_mw = _try(nvml.nvmlDeviceGetPowerUsage, handle)
             if power_mw is not None:
                 reading.power_w = power_mw / 1000.0
-            limit_mw = _try(nvml.nvmlDeviceGetEnforcedPowerLimit, handle) \
-                if hasattr(nvml, "nvmlDeviceGetEnforcedPowerLimit") else None
+            limit_mw = (
+                _try(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+                if hasattr(nvml, "nvmlDeviceGetEnforcedPowerLimit")
+                else None
+            )
             if limit_mw is not None:
                 reading.power_limit_w = limit_mw / 1000.0
             sm = _try(nvml.nvmlDeviceGetClockInfo, handle, getattr(nvml, "NVML_CLOCK_SM", 1))
@@ -142,10 +144,8 @@ class NvmlReader:
     def close(self) -> None:
         if getattr(self, "_nvml", None) is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # shutting down: nothing left to report
             self._nvml.nvmlShutdown()
-        except Exception:
-            pass
         self._handles = []
         self.available = False
 
@@ -273,8 +273,7 @@ class MonitorTab(QWidget):
     """Per GPU: name, memory, utilisation, temperature, power, SM and memory clocks, with short
     histories (one line per GPU); and CPU / RAM. Works with no run going."""
 
-    GPU_COLUMNS = ["GPU", "Name", "Memory used / total", "Util", "Temp", "Power / limit",
-                   "SM clock", "Mem clock"]
+    GPU_COLUMNS = ["GPU", "Name", "Memory used / total", "Util", "Temp", "Power / limit", "SM clock", "Mem clock"]
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -327,7 +326,6 @@ class MonitorTab(QWidget):
         grid.addWidget(self.plots["ram_gib"], 2, 1)
         self._cpu_curve = self.plots["cpu_percent"].plot(pen=pg.mkPen(SERIES_COLORS[0], width=2))
         self._ram_curve = self.plots["ram_gib"].plot(pen=pg.mkPen(SERIES_COLORS[1], width=2))
-        self._ram_total_line: pg.InfiniteLine | None = None
 
     @property
     def has_gpu(self) -> bool:
@@ -371,8 +369,7 @@ class MonitorTab(QWidget):
             )
             self.status_label.setStyleSheet("background:#fff3cd; color:#664d03; padding:6px;")
         else:
-            self.status_label.setText(f"{len(sample.gpus)} NVIDIA GPU(s), sampled every "
-                                      f"{SAMPLE_INTERVAL_S:g} s")
+            self.status_label.setText(f"{len(sample.gpus)} NVIDIA GPU(s), sampled every {SAMPLE_INTERVAL_S:g} s")
             self.status_label.setStyleSheet("")
         self.gpu_table.setVisible(bool(sample.gpus))
         for key in self.gpu_metrics:
@@ -397,14 +394,16 @@ class MonitorTab(QWidget):
                     item.setText(text)
         host = sample.host
         self.host_label.setText(
-            f"CPU {_fmt(host.cpu_percent, '%')} · RAM {_gib(host.ram_used_bytes)} / "
-            f"{_gib(host.ram_total_bytes)} GiB"
+            f"CPU {_fmt(host.cpu_percent, '%')} · RAM {_gib(host.ram_used_bytes)} / {_gib(host.ram_total_bytes)} GiB"
         )
 
     def redraw(self) -> None:
         times = self._times.array()
         self._cpu_curve.setData(times, self._cpu.array(), connect="finite")
         self._ram_curve.setData(times, self._ram.array(), connect="finite")
+        total = self.latest.host.ram_total_bytes if self.latest else None
+        if total:  # the whole of RAM, so small changes do not look like big ones
+            self.plots["ram_gib"].setYRange(0, total / GIB, padding=0.02)
         for (index, key), series in self._gpu_series.items():
             curve = self._gpu_curves.get((index, key))
             if curve is None:
@@ -448,8 +447,3 @@ def _fmt(value: float | None, unit: str) -> str:
 
 def _gib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / GIB:.1f}"
-
-
-def numbers(values: list[float | None]) -> np.ndarray:
-    """None -> NaN, so a missing reading is a gap in a line, never a zero."""
-    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)

@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, i in (("engine decode tok/s", 0), ("wall tok/s", 1)):
         h, a = median(headless, i), median(in_app, i)
         print(f"{label:<20} headless {h:9.1f}   app {a:9.1f}   app/headless {a / h:.3f}")
-    ratio = median(in_app, 0) / median(headless, 0)
-    print(f"RATIO {ratio:.3f} ({'within' if ratio >= 0.97 else 'NOT within'} 3%)")
+    decode = median(in_app, 0) / median(headless, 0)
+    wall = median(in_app, 1) / median(headless, 1)
+    verdict = "within" if min(decode, wall) >= 0.97 else "NOT within"
+    print(f"RATIO decode {decode:.3f}, wall {wall:.3f} ({verdict} 3%)")
     return 0
 
 

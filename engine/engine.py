@@ -289,11 +289,11 @@ class Engine:
             sess.settings = settings
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
+        sess._clear_cancel()  # here, not in the generator: a cancel right after stream() returns counts
         return self._run(sess, ids, max_new_tokens)
 
     def _run(self, sess: Session, ids: list[int], max_new_tokens: int) -> Iterator[RoundEvent]:
         try:
-            sess._clear_cancel()
             state = sess.state
             if ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens:
                 state.reset()

@@ -266,3 +266,11 @@ def test_stats_names_and_consistency(eng, prompts):
     assert s["mean_accepted_length"] == pytest.approx(s["generated"] / s["rounds"])
     assert s["accepted"] <= s["drafted"] <= 4 * s["rounds"]
     assert len(s["per_position_acceptance"]) == 4
+
+
+def test_cancel_right_after_stream_returns_is_not_lost(eng, prompts):
+    sess = eng.new_session()
+    stream = eng.stream(prompts["prose"], N_NEW, EngineSettings(), sess)
+    sess.cancel()
+    events = list(stream)
+    assert events[-1].stop_reason == "cancelled" and not any(ev.tokens for ev in events)

@@ -1,0 +1,274 @@
+"""The Bench tab: A/B of two profiles on the fixed workloads, printed as the seed's tables.
+
+It runs engine.bench.run_bench on the engine thread (the same code path as `specdeck bench`):
+arms alternate (A,B then B,A), each run on a reset session, one untimed warm-up per arm. The
+result is the report's own format_tables(); output hashes per arm are shown with a warning when
+the arms' texts differ (speculation must never change the text).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QFont
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSpinBox,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.profiles import Profile
+
+
+class BenchTab(QWidget):
+    start_requested = Signal(object)  # (arms: list[(name, Profile)], workloads, rounds, max_new_tokens)
+    stop_requested = Signal()
+    message = Signal(str)
+
+    def __init__(self, workload_names: list[str], parent: QWidget | None = None):
+        super().__init__(parent)
+        self.report: Any = None
+        self.running = False
+        self._profiles: list[Profile] = []
+
+        self.profile_a = QComboBox()
+        self.profile_b = QComboBox()
+        self.workload_boxes: dict[str, QCheckBox] = {}
+        workload_row = QHBoxLayout()
+        for name in workload_names:
+            box = QCheckBox(name)
+            box.setChecked(True)
+            self.workload_boxes[name] = box
+            workload_row.addWidget(box)
+        workload_row.addStretch(1)
+        self.rounds = QSpinBox()
+        self.rounds.setRange(1, 50)
+        self.rounds.setValue(2)
+        self.rounds.setToolTip("Each round runs every workload once per arm; arms alternate order")
+        self.max_new_tokens = QSpinBox()
+        self.max_new_tokens.setRange(1, 8192)
+        self.max_new_tokens.setValue(128)
+        self.record_figures = QCheckBox("Store the figures in the profiles (user profiles only)")
+        self.record_figures.setChecked(True)
+
+        self.run_button = QPushButton("Run bench")
+        self.run_button.clicked.connect(self.start)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.stop_button.clicked.connect(self.stop_requested)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1)
+        self.progress.setValue(0)
+        self.progress.setFormat("%v / %m runs")
+        self.progress_label = QLabel("")
+
+        setup = QGroupBox("A/B bench")
+        form = QFormLayout(setup)
+        form.addRow("Profile A", self.profile_a)
+        form.addRow("Profile B", self.profile_b)
+        form.addRow("Workloads", workload_row)
+        counts = QHBoxLayout()
+        counts.addWidget(QLabel("Rounds"))
+        counts.addWidget(self.rounds)
+        counts.addWidget(QLabel("New tokens per run"))
+        counts.addWidget(self.max_new_tokens)
+        counts.addStretch(1)
+        form.addRow(counts)
+        form.addRow(self.record_figures)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.progress, 1)
+        form.addRow(buttons)
+        form.addRow(self.progress_label)
+
+        self.warning_label = QLabel("")
+        self.warning_label.setWordWrap(True)
+        self.warning_label.hide()
+        self.hash_table = QTableWidget(0, 3)
+        self.hash_table.setHorizontalHeaderLabels(["Workload", "Hash A", "Hash B"])
+        self.hash_table.verticalHeader().setVisible(False)
+        self.hash_table.setMaximumHeight(150)
+        self.hash_table.horizontalHeader().setStretchLastSection(True)
+        self.tables_view = QPlainTextEdit()
+        self.tables_view.setReadOnly(True)
+        self.tables_view.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        mono = QFont("monospace")
+        mono.setStyleHint(QFont.StyleHint.Monospace)
+        self.tables_view.setFont(mono)
+        self.tables_view.setPlaceholderText("The seed's tables appear here after a bench.")
+        self.export_csv_button = QPushButton("Export CSV…")
+        self.export_json_button = QPushButton("Export JSON…")
+        self.export_csv_button.clicked.connect(lambda: self.export("csv"))
+        self.export_json_button.clicked.connect(lambda: self.export("json"))
+        for button in (self.export_csv_button, self.export_json_button):
+            button.setEnabled(False)
+        export_row = QHBoxLayout()
+        export_row.addStretch(1)
+        export_row.addWidget(self.export_csv_button)
+        export_row.addWidget(self.export_json_button)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(setup)
+        layout.addWidget(self.warning_label)
+        layout.addWidget(self.tables_view, 1)
+        layout.addWidget(QLabel("Output hash per arm (sha-256 of the generated token ids)"))
+        layout.addWidget(self.hash_table)
+        layout.addLayout(export_row)
+
+    # ------------------------------------------------------------------ profiles
+
+    def set_profiles(self, profiles: list[Profile]) -> None:
+        chosen = (self.profile_a.currentText(), self.profile_b.currentText())
+        self._profiles = list(profiles)
+        names = [p.name for p in profiles]
+        for combo, default in ((self.profile_a, "control"), (self.profile_b, "chain")):
+            current = chosen[0] if combo is self.profile_a else chosen[1]
+            combo.blockSignals(True)
+            combo.clear()
+            combo.addItems(names)
+            pick = current if current in names else default if default in names else None
+            if pick is not None:
+                combo.setCurrentText(pick)
+            elif names:
+                combo.setCurrentIndex(min(1 if combo is self.profile_b else 0, len(names) - 1))
+            combo.blockSignals(False)
+
+    def select_profiles(self, a: str, b: str) -> None:
+        self.profile_a.setCurrentText(a)
+        self.profile_b.setCurrentText(b)
+
+    def _profile(self, name: str) -> Profile | None:
+        return next((p for p in self._profiles if p.name == name), None)
+
+    # ------------------------------------------------------------------ running
+
+    def start(self) -> None:
+        a, b = self._profile(self.profile_a.currentText()), self._profile(self.profile_b.currentText())
+        workloads = [name for name, box in self.workload_boxes.items() if box.isChecked()]
+        if a is None or b is None:
+            self.message.emit("Pick two profiles to compare")
+            return
+        if not workloads:
+            self.message.emit("Pick at least one workload")
+            return
+        name_a, name_b = a.name, b.name
+        if name_a == name_b:
+            name_a, name_b = f"{name_a} (A)", f"{name_b} (B)"
+        rounds, tokens = self.rounds.value(), self.max_new_tokens.value()
+        self.progress.setRange(0, rounds * len(workloads) * 2)
+        self.progress.setValue(0)
+        self.progress_label.setText("Loading / warming up…")
+        self.warning_label.hide()
+        self.set_running(True)
+        self.start_requested.emit(([(name_a, a), (name_b, b)], workloads, rounds, tokens))
+
+    def set_running(self, running: bool) -> None:
+        self.running = running
+        self.run_button.setEnabled(not running)
+        self.stop_button.setEnabled(running)
+
+    def on_progress(self, done: int, total: int, message: str) -> None:
+        self.progress.setRange(0, total)
+        self.progress.setValue(done)
+        self.progress_label.setText(message)
+
+    def on_finished(self, report: Any) -> None:
+        self.set_running(False)
+        if report is None:
+            self.progress_label.setText("Bench stopped or failed (see the message above).")
+            return
+        self.report = report
+        complete = len(report.rows) == report.rounds * len(report.workloads) * len(report.arms)
+        self.progress_label.setText("Done." if complete else f"Stopped early: {len(report.rows)} runs measured.")
+        self.tables_view.setPlainText(report.format_tables())
+        self._show_hashes(report)
+        for button in (self.export_csv_button, self.export_json_button):
+            button.setEnabled(True)
+
+    def _show_hashes(self, report: Any) -> None:
+        names = [arm.name for arm in report.arms]
+        self.hash_table.setColumnCount(1 + len(names))
+        self.hash_table.setHorizontalHeaderLabels(["Workload"] + [f"Hash {n}" for n in names])
+        self.hash_table.setRowCount(len(report.workloads))
+        for row, workload in enumerate(report.workloads):
+            self.hash_table.setItem(row, 0, QTableWidgetItem(workload))
+            for column, name in enumerate(names, start=1):
+                hashes = ", ".join(sorted(report.hashes(name, workload))) or "–"
+                self.hash_table.setItem(row, column, QTableWidgetItem(hashes))
+        if report.arms_agree:
+            self.warning_label.setText("Outputs identical across arms: speculation did not change the text.")
+            self.warning_label.setStyleSheet("background:#d1e7dd; color:#0f5132; padding:6px;")
+        else:
+            differing = [w for w in report.workloads if len(set().union(*(report.hashes(n, w) for n in names))) > 1]
+            self.warning_label.setText(
+                "<b>Warning: the arms' output texts differ</b> on "
+                + ", ".join(differing)
+                + ". Greedy speculative decoding should reproduce the target's text exactly; "
+                "different hashes point at a numerical difference (dtype, sub-vocab) or a bug."
+            )
+            self.warning_label.setStyleSheet("background:#f8d7da; color:#842029; padding:6px;")
+        self.warning_label.show()
+
+    def figures_for(self, arm_name: str, model_info: dict[str, Any] | None) -> dict[str, Any]:
+        """The profile 'last bench figures' for one arm of the last report."""
+        report = self.report
+        other = [a.name for a in report.arms if a.name != arm_name]
+        figures: dict[str, Any] = {
+            "source": "bench",
+            "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "mean_tokens_per_second": _round(report.mean_tps(arm_name)),
+            "round_results": [_round(v) for v in report.round_means(arm_name)],
+            "per_workload": {w: _round(report.mean_tps(arm_name, w)) for w in report.workloads},
+            "rounds": report.rounds,
+            "max_new_tokens": report.max_new_tokens,
+            "compared_with": other[0] if other else "",
+        }
+        if model_info:
+            figures["model"] = model_info.get("name")
+            figures["device"] = model_info.get("device")
+            figures["dtype"] = model_info.get("dtype")
+        return {k: v for k, v in figures.items() if v is not None}
+
+    # ------------------------------------------------------------------ export
+
+    def export(self, kind: str, path: str | Path | None = None) -> Path | None:
+        if self.report is None:
+            return None
+        if path is None:
+            path = self.ask_save_path(kind)
+            if not path:
+                return None
+        path = Path(path)
+        path.write_text(self.report.to_csv() if kind == "csv" else self.report.to_json(), encoding="utf-8")
+        self.message.emit(f"Bench report written to {path}")
+        return path
+
+    def ask_save_path(self, kind: str) -> str:
+        path, _ = QFileDialog.getSaveFileName(
+            self,
+            f"Export the bench report ({kind.upper()})",
+            str(Path.home() / f"specdeck-bench.{kind}"),
+            f"{kind.upper()} (*.{kind})",
+        )
+        return path
+
+
+def _round(value: float) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, 3)

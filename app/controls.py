@@ -1,0 +1,384 @@
+"""The left-hand panels: what to run (RunPanel) and the engine's knobs (KnobPanel).
+
+KnobPanel holds one widget per EngineSettings field. Every user change emits settings_changed
+with a whole new EngineSettings value; the window hands it to the running session, which picks
+it up at its next round. A knob that cannot act in the current context (mirror output with one
+device, sub-vocab with chain off, ...) is disabled, and its tooltip says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings
+
+CUSTOM_PROMPT = "Custom prompt"
+BUNDLED_MODEL = "Bundled model"
+BROWSE = "Other model folder…"
+DTYPES = ["float32", "bfloat16", "float16"]
+
+KNOB_HELP = {
+    "speculative": "Draft with the MTP head and let the target verify several tokens per round. "
+    "Off: plain greedy decoding, one target token per round (the baseline).",
+    "draft_depth": f"Tokens drafted per round (1–{MAX_DRAFT_DEPTH}). Deeper drafts pay off while "
+    "acceptance stays high.",
+    "p_min": "Stop drafting once the draft's probability of its pick falls below this "
+    "(0 = always draft the full depth).",
+    "chain": "All draft steps in one submission with the pick made on the device, returning only "
+    "(token, probability). Off: one submission per step, the full vocabulary row copied "
+    "to the host each time.",
+    "sub_vocab": "The draft scores only the first N token ids (the most common ones). The target "
+    "still checks against the full vocabulary, so the output does not change. "
+    "'all' = the full vocabulary.",
+    "mirror_output": "With several GPUs: every GPU keeps the whole LM head (one layer of extra "
+    "memory per GPU, no GPU-to-GPU traffic at each verify). Off: each GPU holds a "
+    "slice of the vocabulary.",
+    "plan_pool": "Captured plans (CUDA graphs) kept, keyed by batch width, least recently used "
+    f"dropped first (0–{MAX_PLAN_POOL}; 0 = no graphs).",
+}
+
+
+class KnobPanel(QGroupBox):
+    settings_changed = Signal(object)  # EngineSettings
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__("Engine knobs (apply at the next round)", parent)
+        self._device = "cpu"
+        self._device_count = 1
+        self.vocab_size: int | None = None
+
+        self.speculative = QCheckBox("Speculative decoding")
+        self.draft_depth = QSpinBox()
+        self.draft_depth.setRange(1, MAX_DRAFT_DEPTH)
+        self.p_min = QDoubleSpinBox()
+        self.p_min.setRange(0.0, 1.0)
+        self.p_min.setSingleStep(0.05)
+        self.p_min.setDecimals(2)
+        self.chain = QCheckBox("Chain draft steps")
+        self.sub_vocab = QSpinBox()
+        self.sub_vocab.setRange(0, 1_000_000)
+        self.sub_vocab.setSingleStep(1024)
+        self.sub_vocab.setSpecialValueText("all")
+        self.sub_vocab.setGroupSeparatorShown(True)
+        self.sub_vocab_share = QLabel("")
+        self.mirror_output = QCheckBox("Mirror output layer")
+        self.plan_pool = QSpinBox()
+        self.plan_pool.setRange(0, MAX_PLAN_POOL)
+        # Apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16").
+        for spin in (self.draft_depth, self.p_min, self.sub_vocab, self.plan_pool):
+            spin.setKeyboardTracking(False)
+
+        self.widgets: dict[str, QWidget] = {
+            "speculative": self.speculative,
+            "draft_depth": self.draft_depth,
+            "p_min": self.p_min,
+            "chain": self.chain,
+            "sub_vocab": self.sub_vocab,
+            "mirror_output": self.mirror_output,
+            "plan_pool": self.plan_pool,
+        }
+        form = QFormLayout(self)
+        form.addRow(self.speculative)
+        form.addRow("Draft depth", self.draft_depth)
+        form.addRow("p_min", self.p_min)
+        form.addRow(self.chain)
+        sub_vocab_row = QHBoxLayout()
+        sub_vocab_row.addWidget(self.sub_vocab, 1)
+        sub_vocab_row.addWidget(self.sub_vocab_share)
+        form.addRow("Sub-vocab", sub_vocab_row)
+        form.addRow(self.mirror_output)
+        form.addRow("Plan pool", self.plan_pool)
+        self.pending_label = QLabel("")
+        self.pending_label.setWordWrap(True)
+        self.pending_label.setStyleSheet("color:#666;")
+        form.addRow(self.pending_label)
+
+        self._updating = False
+        self.set_settings(EngineSettings())
+        for checkbox in (self.speculative, self.chain, self.mirror_output):
+            checkbox.toggled.connect(self._on_user_change)
+        for spin in (self.draft_depth, self.sub_vocab, self.plan_pool):
+            spin.valueChanged.connect(self._on_user_change)
+        self.p_min.valueChanged.connect(self._on_user_change)
+
+    def settings(self) -> EngineSettings:
+        return EngineSettings(
+            speculative=self.speculative.isChecked(),
+            draft_depth=self.draft_depth.value(),
+            p_min=round(self.p_min.value(), 4),
+            chain=self.chain.isChecked(),
+            sub_vocab=self.sub_vocab.value(),
+            mirror_output=self.mirror_output.isChecked(),
+            plan_pool=self.plan_pool.value(),
+        )
+
+    def set_settings(self, settings: EngineSettings, emit: bool = False) -> None:
+        """Show `settings` (e.g. a profile being applied); emit=True also applies them."""
+        self._updating = True
+        try:
+            self.speculative.setChecked(settings.speculative)
+            self.draft_depth.setValue(settings.draft_depth)
+            self.p_min.setValue(settings.p_min)
+            self.chain.setChecked(settings.chain)
+            self.sub_vocab.setValue(settings.sub_vocab)
+            self.mirror_output.setChecked(settings.mirror_output)
+            self.plan_pool.setValue(settings.plan_pool)
+        finally:
+            self._updating = False
+        self._refresh_availability()
+        if emit:
+            self.settings_changed.emit(self.settings())
+
+    def set_context(self, device: str, device_count: int, vocab_size: int | None) -> None:
+        """Where the engine runs: decides which knobs can act. vocab_size bounds sub-vocab."""
+        self._device = device
+        self._device_count = device_count
+        self.vocab_size = vocab_size
+        if vocab_size:
+            self._updating = True
+            self.sub_vocab.setMaximum(vocab_size)
+            self._updating = False
+        self._refresh_availability()
+
+    def show_applied(self, applied: EngineSettings | None) -> None:
+        """Say whether the panel's settings are what the engine last ran with."""
+        if applied is None or applied == self.settings():
+            self.pending_label.setText("")
+        else:
+            changes = ", ".join(f"{k} {b}" for k, (a, b) in applied.diff(self.settings()).items())
+            self.pending_label.setText(f"Pending (next round): {changes}")
+
+    def _on_user_change(self, *_: Any) -> None:
+        if self._updating:
+            return
+        self._refresh_availability()
+        self.settings_changed.emit(self.settings())
+
+    def disabled_reasons(self) -> dict[str, str]:
+        """knob name -> why it cannot act now (only knobs that are disabled)."""
+        reasons: dict[str, str] = {}
+        on_cpu = self._device == "cpu"
+        if not self.speculative.isChecked():
+            for name in ("draft_depth", "p_min", "chain", "sub_vocab"):
+                reasons[name] = "Speculative decoding is off: nothing is drafted."
+        elif not self.chain.isChecked():
+            reasons["sub_vocab"] = "Sub-vocab applies to the chained draft only: turn Chain on to use it."
+        if on_cpu:
+            reasons["mirror_output"] = (
+                "Running on the CPU: one device, which already holds the "
+                "whole output layer. Mirroring needs two or more GPUs."
+            )
+            reasons["plan_pool"] = "Plans are CUDA graphs, a GPU feature: on the CPU every round runs eagerly."
+        elif self._device_count < 2:
+            reasons["mirror_output"] = (
+                "One GPU: it already holds the whole output layer. Mirroring needs two or more GPUs."
+            )
+        return reasons
+
+    def _refresh_availability(self) -> None:
+        reasons = self.disabled_reasons()
+        for name, widget in self.widgets.items():
+            reason = reasons.get(name)
+            widget.setEnabled(reason is None)
+            widget.setToolTip(f"Disabled: {reason}\n\n{KNOB_HELP[name]}" if reason else KNOB_HELP[name])
+        if self.vocab_size and self.sub_vocab.value():
+            self.sub_vocab_share.setText(f"{self.sub_vocab.value() / self.vocab_size:.0%} of {self.vocab_size:,}")
+        elif self.vocab_size:
+            self.sub_vocab_share.setText(f"all {self.vocab_size:,}")
+        else:
+            self.sub_vocab_share.setText("")
+
+
+class RunPanel(QGroupBox):
+    """Model, device, dtype, workload / prompt, and Run / Stop."""
+
+    run_clicked = Signal()
+    stop_clicked = Signal()
+    model_changed = Signal()
+
+    def __init__(self, workloads: dict[str, Any], bundled_dir: Path | None, parent: QWidget | None = None):
+        super().__init__("Run", parent)
+        self.workloads = workloads
+        self.bundled_dir = bundled_dir
+
+        self.model_combo = QComboBox()
+        bundled_text = f"{BUNDLED_MODEL} ({bundled_dir.name})" if bundled_dir else f"{BUNDLED_MODEL} (not installed)"
+        self.model_combo.addItem(bundled_text, None)
+        self.model_combo.addItem(BROWSE, "__browse__")
+        self.model_combo.setToolTip(
+            "A Hugging Face model folder (config.json, *.safetensors, "
+            "tokenizer.json) of a Qwen3.5-hybrid model with an MTP head"
+        )
+        self._last_model_index = 0
+        self.model_combo.activated.connect(self._on_model_activated)
+
+        self.device_combo = QComboBox()
+        self.device_combo.addItem("cpu", "cpu")
+        self.device_combo.currentIndexChanged.connect(lambda _: self.model_changed.emit())
+        self.dtype_combo = QComboBox()
+        self.dtype_combo.addItems(DTYPES)
+        self.dtype_combo.currentIndexChanged.connect(lambda _: self.model_changed.emit())
+
+        self.workload_combo = QComboBox()
+        for name in workloads:
+            self.workload_combo.addItem(name, name)
+        self.workload_combo.addItem(CUSTOM_PROMPT, None)
+        self.workload_combo.currentIndexChanged.connect(self._on_workload_changed)
+        self.prompt_edit = QPlainTextEdit()
+        self.prompt_edit.setPlaceholderText("Type a prompt…")
+        self.prompt_edit.setMaximumHeight(110)
+        self.max_new_tokens = QSpinBox()
+        self.max_new_tokens.setRange(1, 32768)
+        self.max_new_tokens.setValue(256)
+        self.repeat = QCheckBox("Repeat until stopped")
+        self.repeat.setToolTip(
+            "Start the workload again when it finishes, so the plots keep going while you flip knobs"
+        )
+        self.repeat.setChecked(True)
+
+        self.run_button = QPushButton("Run")
+        self.run_button.setDefault(True)
+        self.run_button.clicked.connect(self.run_clicked)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.stop_button.clicked.connect(self.stop_clicked)
+
+        form = QFormLayout(self)
+        form.addRow("Model", self.model_combo)
+        device_row = QHBoxLayout()
+        device_row.addWidget(self.device_combo, 2)
+        device_row.addWidget(self.dtype_combo, 1)
+        form.addRow("Device", device_row)
+        form.addRow("Workload", self.workload_combo)
+        form.addRow(self.prompt_edit)
+        form.addRow("New tokens", self.max_new_tokens)
+        form.addRow(self.repeat)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.stop_button)
+        form.addRow(buttons)
+        self._on_workload_changed()
+
+    # -- model --
+
+    def _on_model_activated(self, index: int) -> None:
+        if self.model_combo.itemData(index) == "__browse__":
+            directory = self.ask_model_dir()
+            if directory:
+                self.add_model_dir(directory)
+            else:
+                self.model_combo.setCurrentIndex(self._last_model_index)
+                return
+        self._last_model_index = self.model_combo.currentIndex()
+        self.model_changed.emit()
+
+    def ask_model_dir(self) -> str:
+        return QFileDialog.getExistingDirectory(self, "Choose a model folder")
+
+    def add_model_dir(self, directory: str | Path) -> None:
+        """Select a model folder (added to the list once)."""
+        directory = str(directory)
+        index = self.model_combo.findData(directory)
+        if index < 0:
+            index = self.model_combo.count() - 1  # before "Other model folder…"
+            self.model_combo.insertItem(index, Path(directory).name or directory, directory)
+            self.model_combo.setItemData(index, directory, 3)  # Qt.ToolTipRole
+        self.model_combo.setCurrentIndex(index)
+        self._last_model_index = index
+        self.model_changed.emit()
+
+    def model_dirs(self) -> list[str]:
+        return [
+            self.model_combo.itemData(i)
+            for i in range(self.model_combo.count())
+            if self.model_combo.itemData(i) not in (None, "__browse__")
+        ]
+
+    def set_devices(self, gpu_names: list[str]) -> None:
+        """cpu plus one entry per NVIDIA GPU the monitor found."""
+        current = self.device()
+        self.device_combo.blockSignals(True)
+        self.device_combo.clear()
+        self.device_combo.addItem("cpu", "cpu")
+        for i, name in enumerate(gpu_names):
+            self.device_combo.addItem(f"cuda:{i} — {name}", f"cuda:{i}")
+        if len(gpu_names) > 1:
+            every_gpu = ",".join(f"cuda:{i}" for i in range(len(gpu_names)))
+            self.device_combo.addItem(f"all {len(gpu_names)} GPUs (tensor parallel)", every_gpu)
+        index = self.device_combo.findData(current)
+        self.device_combo.setCurrentIndex(max(index, 0))
+        self.device_combo.blockSignals(False)
+
+    def model_dir(self) -> str | None:
+        return self.model_combo.currentData()
+
+    def device(self) -> str:
+        return self.device_combo.currentData() or "cpu"
+
+    def dtype(self) -> str:
+        return self.dtype_combo.currentText()
+
+    # -- workload --
+
+    def _on_workload_changed(self, *_: Any) -> None:
+        name = self.workload_combo.currentData()
+        custom = name is None
+        self.prompt_edit.setReadOnly(not custom)
+        if not custom:
+            workload = self.workloads[name]
+            self.prompt_edit.setPlainText(workload.prompt)
+            self.prompt_edit.setToolTip(
+                f"{workload.description}\n\nA model with a chat template gets the task as a "
+                f"chat message instead:\n{workload.chat}"
+            )
+        elif not self.prompt_edit.toPlainText().strip() or self._showing_workload_text():
+            self.prompt_edit.clear()
+        self.prompt_edit.setStyleSheet("" if custom else "background:#f4f4f4; color:#444;")
+
+    def _showing_workload_text(self) -> bool:
+        text = self.prompt_edit.toPlainText()
+        return any(w.prompt == text for w in self.workloads.values())
+
+    def workload_name(self) -> str | None:
+        return self.workload_combo.currentData()
+
+    def select_workload(self, name: str | None) -> None:
+        index = self.workload_combo.findData(name)
+        if index >= 0:
+            self.workload_combo.setCurrentIndex(index)
+
+    def prompt(self) -> str:
+        return self.prompt_edit.toPlainText()
+
+    def set_running(self, running: bool) -> None:
+        self.run_button.setEnabled(not running)
+        self.stop_button.setEnabled(running)
+        for widget in (self.model_combo, self.device_combo, self.dtype_combo, self.workload_combo, self.max_new_tokens):
+            widget.setEnabled(not running)
+        self.prompt_edit.setReadOnly(running or self.workload_name() is not None)
+
+
+def section(title: str, *widgets: QWidget) -> QWidget:
+    box = QGroupBox(title)
+    layout = QVBoxLayout(box)
+    for widget in widgets:
+        layout.addWidget(widget)
+    return box

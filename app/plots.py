@@ -1,0 +1,852 @@
+"""Live run plots, redrawn from ring buffers by a timer (25 Hz), never once per event.
+
+Every time series shares one x axis: seconds since recording started (linked across plots, so
+panning one pans all). Each settings change the engine actually applied (a round whose
+RoundEvent.settings differs from the round before) puts a labelled vertical marker on every
+time plot; the per-position bars show the rounds since the latest change beside the ones before.
+
+pyqtgraph conventions followed (see the pyqtgraph examples): one PlotDataItem per series updated
+with setData(float64 arrays); clip-to-view + peak downsampling for long histories; antialias and
+OpenGL off; text refreshed about once a second; y ranges changed at most once a second (1.25 x
+the visible maximum) so the axes do not jitter.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QRegion
+from PySide6.QtWidgets import (
+    QGraphicsItem,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSizePolicy,
+    QVBoxLayout,
+    QWidget,
+)
+
+pg.setConfigOptions(antialias=False, useOpenGL=False, background="w", foreground="#333")
+
+SERIES_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+TIME_SPLIT = [  # (RoundEvent field, legend name, colour): bottom to top in the stacked plot
+    ("time_draft_s", "draft", "#4c78a8"),
+    ("time_verify_s", "verify", "#f58518"),
+    ("time_accept_s", "accept", "#54a24b"),
+    ("time_host_s", "host", "#b279a2"),
+]
+SMOOTHING_ROUNDS = 16  # the window of the smoothed series (a rate over rounds, not an EMA)
+ROUND_HISTORY = 50_000  # rounds kept for plots and CSV; older ones drop off
+MEMORY_HISTORY = 20_000  # memory samples kept
+REDRAW_HZ = 20  # the most frames a second; fewer when frames cost more (PLOT_TIME_SHARE)
+# While a run streams, frames are drawn while the engine thread waits between two rounds
+# (worker.FrameGate), so each frame costs the engine its own time: frames may take at most this
+# share of wall time, and come at least once a second.
+PLOT_TIME_SHARE = 0.02
+MAX_FRAME_INTERVAL_S = 1.0
+MIB = 1024**2
+GIB = 1024**3
+# The engine's own memory breakdown (eng.memory(), RoundEvent.run["memory"]), stacked bottom up.
+MEMORY_COMPONENTS = {
+    "weights": "#9ecae1",
+    "kv_cache": "#fdae6b",
+    "snapshot_planes": "#a1d99b",
+    "graph_pools": "#bcbddc",
+    "workspace": "#d9d9d9",
+}
+MEMORY_SHORT_NAMES = {
+    "weights": "weights",
+    "kv_cache": "kv",
+    "snapshot_planes": "planes",
+    "graph_pools": "graphs",
+    "workspace": "work",
+}
+MARKER_LABEL_CHARS = 44
+
+# Short names for marker labels: "depth 3→5", "chain on".
+KNOB_LABELS = {
+    "speculative": "speculative",
+    "draft_depth": "depth",
+    "p_min": "p_min",
+    "chain": "chain",
+    "sub_vocab": "sub-vocab",
+    "mirror_output": "mirror",
+    "plan_pool": "pool",
+}
+
+
+class RingBuffer:
+    """The last `capacity` floats, read back oldest-first as a contiguous float64 array.
+
+    Each value is stored twice (at i and i + capacity) so the window is always one slice.
+    None is stored as NaN: a missing reading is a gap, never a zero.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._data = np.full(2 * capacity, np.nan, dtype=np.float64)
+        self._next = 0
+        self._count = 0
+
+    def append(self, value: float | None) -> None:
+        value = np.nan if value is None else float(value)
+        self._data[self._next] = value
+        self._data[self._next + self.capacity] = value
+        self._next = (self._next + 1) % self.capacity
+        self._count = min(self._count + 1, self.capacity)
+
+    def array(self) -> np.ndarray:
+        """A copy (the curve keeps it while we go on writing)."""
+        end = self._next if self._next >= self._count else self._next + self.capacity
+        return self._data[end - self._count : end].copy()
+
+    def last(self) -> float:
+        return self._data[(self._next - 1) % self.capacity] if self._count else math.nan
+
+    def clear(self) -> None:
+        self._data.fill(np.nan)
+        self._next = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def make_plot(title: str, unit: str, x_label: str = "s") -> pg.PlotWidget:
+    """A small plot styled like the others (used by the monitor tab)."""
+    plot = pg.PlotWidget(title=title)
+    _style_plot(plot.getPlotItem(), unit, x_label)
+    return plot
+
+
+def _style_plot(item: pg.PlotItem, unit: str, x_label: str) -> None:
+    item.showGrid(x=True, y=True, alpha=0.2)
+    # Axes (with their grid lines and tick text) are the costliest thing to paint, and the grid
+    # makes each axis cover its whole plot, so every curve update would repaint them. Cached as
+    # pixmaps they are redrawn only when their range changes, which is at most once a second.
+    for name in ("left", "bottom"):
+        item.getAxis(name).setCacheMode(QGraphicsItem.CacheMode.DeviceCoordinateCache)
+        item.getAxis(name).enableAutoSIPrefix(False)  # "s", never "s (x0.001)"
+    item.setLabel("left", units=None, text=unit)
+    item.setLabel("bottom", text=x_label)
+    item.setClipToView(True)
+    item.setDownsampling(auto=True, mode="peak")
+    item.setMenuEnabled(False)
+    item.getViewBox().setMouseEnabled(x=True, y=False)
+    item.hideButtons()
+
+
+def settings_change_label(before: Any, after: Any) -> str:
+    """'depth 3→5, chain on' for two EngineSettings values."""
+    parts = []
+    for name, (old, new) in before.diff(after).items():
+        label = KNOB_LABELS.get(name, name)
+        if isinstance(new, bool):
+            parts.append(f"{label} {'on' if new else 'off'}")
+        elif name == "sub_vocab":
+            parts.append(f"{label} {old or 'all'}→{new or 'all'}")
+        else:
+            parts.append(f"{label} {old:g}→{new:g}" if isinstance(new, float) else f"{label} {old}→{new}")
+    return ", ".join(parts)
+
+
+def _title(name: str, keys: list[tuple[str, str]]) -> str:
+    """A plot title with a colour key: 'Tokens / s  ━ per round  ━ 16-round rate'."""
+    spans = "".join(f"&nbsp;&nbsp;<span style='color:{color}'>━</span>&nbsp;{label}" for color, label in keys)
+    return f"<b>{name}</b><span style='font-size:8pt'>{spans}</span>"
+
+
+def settings_summary(settings: Any) -> str:
+    """One-line description of a whole EngineSettings: for CSV rows and the bar chart legend."""
+    if not settings.speculative:
+        return "speculative off"
+    return (
+        f"depth {settings.draft_depth}, p_min {settings.p_min:g}, "
+        f"chain {'on' if settings.chain else 'off'}, sub-vocab {settings.sub_vocab or 'all'}, "
+        f"mirror {'on' if settings.mirror_output else 'off'}, pool {settings.plan_pool}"
+    )
+
+
+class TimedGraphicsLayout(pg.GraphicsLayoutWidget):
+    """The plots' view; remembers how long its paints take (smoothed wall time)."""
+
+    paint_s = 0.0
+
+    def paintEvent(self, event: Any) -> None:  # noqa: N802 (Qt's name)
+        started = time.perf_counter()
+        super().paintEvent(event)
+        self.paint_s = 0.8 * self.paint_s + 0.2 * (time.perf_counter() - started)
+
+
+@dataclass
+class Marker:
+    time_s: float
+    round_number: int
+    label: str
+    lines: list[pg.InfiniteLine]
+
+
+class RunPlots(QWidget):
+    """The Live tab's plots plus their toolbar (pause, clear, export CSV / PNG)."""
+
+    markers_changed = Signal()
+
+    # Columns of the per-round buffers (also the CSV columns, in this order).
+    ROUND_COLUMNS = [
+        "time_s",
+        "run",
+        "round",
+        "tokens",
+        "drafted",
+        "accepted",
+        "tokens_per_second",
+        "tokens_per_second_smoothed",
+        "acceptance_rate",
+        "acceptance_rate_smoothed",
+        "accepted_length",
+        "accepted_length_smoothed",
+        "time_draft_ms",
+        "time_verify_ms",
+        "time_accept_ms",
+        "time_host_ms",
+        "time_round_ms",
+        "engine_memory_bytes",
+    ] + [f"engine_{name}_bytes" for name in MEMORY_COMPONENTS]
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.paused = False
+        self.recording = False  # memory samples are kept only around loads and runs
+        self._origin_s: float | None = None
+        self._dirty = False
+        self._last_text_update = 0.0
+        self._last_x_update = 0.0
+        self._last_frame_s = 0.0
+        self.frames_drawn = 0
+        self.frame_gate: Any = None  # worker.FrameGate, set by the window
+        self._changed: list[pg.PlotItem] = []  # the plots the last redraw() changed
+        self._all_changed = True
+        self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
+        self._turn = 0  # which of the slower plots the next frame redraws
+        self._rotation_left = 0
+        self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
+        self._round_count = 0  # rounds seen since clear (the marker's round number)
+        self._window: deque[tuple[int, int, int, float, list[float]]] = deque(maxlen=SMOOTHING_ROUNDS)
+        # Settings segments: (first round number, settings); the CSV's settings column.
+        self._segments: list[tuple[int, Any]] = []
+        self._last_settings: Any = None
+        # Per-position acceptance: counts since the latest change, and the segment before it.
+        self._position_drafted = np.zeros(0)
+        self._position_accepted = np.zeros(0)
+        self._previous_positions: tuple[np.ndarray, str] | None = None
+        self._memory_times = RingBuffer(MEMORY_HISTORY)
+        self._memory_used: dict[int, RingBuffer] = {}
+        self._memory_total: dict[int, RingBuffer] = {}
+        self._gpu_names: dict[int, str] = {}
+        self._engine_memory: dict[str, int] = {}
+        self.markers: list[Marker] = []
+        self._label_hints: dict[Any, str] = {}  # settings -> a name for them (a profile's)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        toolbar = QHBoxLayout()
+        self.pause_button = QPushButton("Pause")
+        self.pause_button.setCheckable(True)
+        self.pause_button.setToolTip("Freeze the plots; data keeps being recorded")
+        self.pause_button.toggled.connect(self.set_paused)
+        self.clear_button = QPushButton("Clear")
+        self.clear_button.setToolTip("Forget the plotted data and markers")
+        self.clear_button.clicked.connect(self.clear)
+        self.export_csv_button = QPushButton("Export CSV…")
+        self.export_png_button = QPushButton("Export PNG…")
+        self.summary_label = QLabel("No run yet: pick a workload and press Run.")
+        self.summary_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        for button in (self.pause_button, self.clear_button, self.export_csv_button, self.export_png_button):
+            toolbar.addWidget(button)
+        toolbar.addWidget(self.summary_label, 3)
+        self.memory_label = QLabel("")
+        self.memory_label.setToolTip("The engine's own count of its memory (eng.memory())")
+        toolbar.addWidget(self.memory_label, 2)
+        for label in (self.summary_label, self.memory_label):
+            # Long figures must not widen the window: let the labels be cut instead.
+            label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        layout.addLayout(toolbar)
+
+        self.graphics = TimedGraphicsLayout()
+        layout.addWidget(self.graphics, 1)
+        self._build_plots()
+
+        self._timer = QTimer(self)
+        self._timer.setInterval(int(1000 / REDRAW_HZ))
+        self._timer.timeout.connect(self._on_timer)
+        self._timer.start()
+
+    # ----------------------------------------------------------------------------- layout
+
+    def _build_plots(self) -> None:
+        # Series keys live in the titles, not in legends inside the plots: the top of each plot
+        # is left free for the settings markers' labels.
+        g = self.graphics
+        w = SMOOTHING_ROUNDS
+        self.speed_plot = g.addPlot(
+            row=0, col=0, title=_title("Tokens / s", [("#9ecae1", "per round"), (SERIES_COLORS[0], f"{w}-round rate")])
+        )
+        self.time_plot = g.addPlot(
+            row=0, col=1, title=_title(f"Round time (mean of {w})", [(color, name) for _, name, color in TIME_SPLIT])
+        )
+        self.acceptance_plot = g.addPlot(
+            row=1,
+            col=0,
+            title=_title("Draft acceptance rate", [("#a1d99b", "per round"), (SERIES_COLORS[2], f"{w}-round")]),
+        )
+        self.length_plot = g.addPlot(
+            row=1,
+            col=1,
+            title=_title(
+                "Accepted length (tokens / round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
+            ),
+        )
+        self.position_plot = g.addPlot(
+            row=2,
+            col=0,
+            title=_title(
+                "Acceptance by draft position", [(SERIES_COLORS[2], "since last change"), ("#999", "before (outline)")]
+            ),
+        )
+        self.memory_plot = g.addPlot(row=2, col=1, title=self._memory_title(with_gpus=False))
+        self.time_plots = [self.speed_plot, self.time_plot, self.acceptance_plot, self.length_plot, self.memory_plot]
+        units = {
+            self.speed_plot: "tok/s",
+            self.time_plot: "ms",
+            self.acceptance_plot: "rate",
+            self.length_plot: "tokens",
+            self.memory_plot: "GiB",
+        }
+        for plot in self.time_plots:
+            _style_plot(plot, units[plot], "s")
+            if plot is not self.speed_plot:
+                plot.setXLink(self.speed_plot)
+        _style_plot(self.position_plot, "accepted / drafted", "draft position")
+        self.position_plot.getViewBox().setMouseEnabled(x=False, y=False)
+        self.position_plot.setYRange(0, 1.05)
+        self.acceptance_plot.setYRange(0, 1.25)
+        for plot in (self.speed_plot, self.time_plot, self.length_plot, self.memory_plot, self.acceptance_plot):
+            plot.enableAutoRange(axis="y", enable=False)
+        # The x range follows the data once a second (not on every redraw: a changed range
+        # repaints every axis). Panning or zooming by hand stops following until Clear.
+        self.follow_x = True
+        self.speed_plot.enableAutoRange(axis="x", enable=False)
+        self.speed_plot.setXRange(0, 1, padding=0)
+        for plot in self.time_plots:
+            plot.getViewBox().sigRangeChangedManually.connect(self._stop_following)
+
+        self.speed_raw_curve = self.speed_plot.plot(pen=pg.mkPen("#9ecae1", width=1))
+        self.speed_smooth_curve = self.speed_plot.plot(pen=pg.mkPen(SERIES_COLORS[0], width=2))
+        self.acceptance_raw_curve = self.acceptance_plot.plot(pen=pg.mkPen("#a1d99b", width=1))
+        self.acceptance_smooth_curve = self.acceptance_plot.plot(pen=pg.mkPen(SERIES_COLORS[2], width=2))
+        self.length_raw_curve = self.length_plot.plot(pen=pg.mkPen("#fdd0a2", width=1))
+        self.length_smooth_curve = self.length_plot.plot(pen=pg.mkPen(SERIES_COLORS[1], width=2))
+        # Stacked areas: each curve is the running sum up to its component, filled down to zero,
+        # drawn top component first so the lower ones paint over it.
+        self.time_split_curves = []
+        for depth, (_, _, color) in enumerate(TIME_SPLIT):
+            curve = self.time_plot.plot(pen=pg.mkPen(color, width=1), fillLevel=0, brush=pg.mkBrush(color))
+            curve.setZValue(-depth)
+            self.time_split_curves.append(curve)
+        self.memory_component_curves = {}
+        for depth, (name, color) in enumerate(MEMORY_COMPONENTS.items()):
+            curve = self.memory_plot.plot(pen=pg.mkPen(color, width=1), fillLevel=0, brush=pg.mkBrush(color))
+            curve.setZValue(-10 - depth)
+            self.memory_component_curves[name] = curve
+        self.position_bars_previous = pg.BarGraphItem(x=[], height=[], width=0.8, pen=pg.mkPen("#999"), brush=None)
+        self.position_bars = pg.BarGraphItem(x=[], height=[], width=0.5, brush=pg.mkBrush(SERIES_COLORS[2]))
+        self.position_plot.addItem(self.position_bars_previous)
+        self.position_plot.addItem(self.position_bars)
+        self._position_label = ""
+        self.memory_used_curves: dict[int, pg.PlotDataItem] = {}
+        self.memory_total_curves: dict[int, pg.PlotDataItem] = {}
+        self.memory_scale = (GIB, "GiB")
+
+    @staticmethod
+    def _memory_title(with_gpus: bool) -> str:
+        keys = [(color, MEMORY_SHORT_NAMES[name]) for name, color in MEMORY_COMPONENTS.items()]
+        if with_gpus:
+            keys.append((SERIES_COLORS[3], "GPU used, total┅ (NVML)"))
+        return _title("Memory" if with_gpus else "Memory (engine's own count)", keys)
+
+    # ------------------------------------------------------------------------------ data in
+
+    def _clock(self, monotonic_s: float) -> float:
+        if self._origin_s is None:
+            self._origin_s = monotonic_s
+        return monotonic_s - self._origin_s
+
+    def add_rounds(self, updates: Iterable[Any]) -> None:
+        """Record RoundUpdates (worker.RoundUpdate: .event, .received_s, .run_id)."""
+        for update in updates:
+            self._add_round(update)
+        self._mark_dirty()
+
+    def _add_round(self, update: Any) -> None:
+        ev = update.event
+        t = self._clock(update.received_s)
+        settings = ev.settings
+        if self._last_settings is None:
+            self._segments.append((self._round_count, settings))
+        elif settings != self._last_settings:
+            self._segments.append((self._round_count, settings))
+            self._add_marker(t, self._marker_label(self._last_settings, settings))
+            self._start_position_segment(self._last_settings)
+        self._last_settings = settings
+
+        n_tokens = len(ev.tokens)
+        round_s = max(ev.time_round_s, 1e-9)
+        split_ms = [getattr(ev, field) * 1000.0 for field, _, _ in TIME_SPLIT]
+        self._window.append((n_tokens, ev.drafted, ev.accepted, round_s, split_ms))
+        w_tokens = sum(w[0] for w in self._window)
+        w_drafted = sum(w[1] for w in self._window)
+        w_accepted = sum(w[2] for w in self._window)
+        w_time = sum(w[3] for w in self._window)
+        memory = (ev.run or {}).get("memory") if isinstance(ev.run, dict) else None
+        if memory:
+            self._engine_memory = dict(memory)
+        row = {
+            "time_s": t,
+            "run": update.run_id,
+            "round": ev.index,
+            "tokens": n_tokens,
+            "drafted": ev.drafted,
+            "accepted": ev.accepted,
+            "tokens_per_second": n_tokens / round_s,
+            "tokens_per_second_smoothed": w_tokens / w_time,
+            "acceptance_rate": ev.accepted / ev.drafted if ev.drafted else None,
+            "acceptance_rate_smoothed": w_accepted / w_drafted if w_drafted else None,
+            "accepted_length": n_tokens,
+            "accepted_length_smoothed": w_tokens / len(self._window),
+            "time_draft_ms": split_ms[0],
+            "time_verify_ms": split_ms[1],
+            "time_accept_ms": split_ms[2],
+            "time_host_ms": split_ms[3],
+            "time_round_ms": round_s * 1000.0,
+            "engine_memory_bytes": sum(self._engine_memory.values()) if self._engine_memory else None,
+        }
+        for name in MEMORY_COMPONENTS:
+            row[f"engine_{name}_bytes"] = self._engine_memory.get(name)
+        for name, value in row.items():
+            self._rounds[name].append(value)
+        self._round_count += 1
+
+        # Accepted drafts are a prefix of the drafted ones: positions 0..accepted-1 hit.
+        if ev.drafted > len(self._position_drafted):
+            grow = ev.drafted - len(self._position_drafted)
+            self._position_drafted = np.concatenate([self._position_drafted, np.zeros(grow)])
+            self._position_accepted = np.concatenate([self._position_accepted, np.zeros(grow)])
+        self._position_drafted[: ev.drafted] += 1
+        self._position_accepted[: ev.accepted] += 1
+
+    def _start_position_segment(self, previous_settings: Any) -> None:
+        if self._position_drafted.any():
+            rates = _safe_ratio(self._position_accepted, self._position_drafted)
+            self._previous_positions = (rates, settings_summary(previous_settings))
+        self._position_drafted = np.zeros(0)
+        self._position_accepted = np.zeros(0)
+
+    def _mark_dirty(self) -> None:
+        self._dirty = True
+        self._rotation_left = 5
+
+    def set_engine_memory(self, memory: dict[str, int]) -> None:
+        """The engine's own breakdown (eng.memory()), e.g. right after a load."""
+        self._engine_memory = dict(memory)
+        self._mark_dirty()
+
+    def add_memory_sample(self, sample: Any) -> None:
+        """A monitor.MonitorSample: per-GPU used / total from NVML (kept while recording)."""
+        if not self.recording or not sample.gpus:
+            return
+        self._memory_times.append(self._clock(sample.time_s))
+        for gpu in sample.gpus:
+            if gpu.index not in self._memory_used:
+                self._memory_used[gpu.index] = RingBuffer(MEMORY_HISTORY)
+                self._memory_total[gpu.index] = RingBuffer(MEMORY_HISTORY)
+                for _ in range(len(self._memory_times) - 1):
+                    self._memory_used[gpu.index].append(None)
+                    self._memory_total[gpu.index].append(None)
+            self._gpu_names[gpu.index] = gpu.name
+            used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
+            self._memory_used[gpu.index].append(None if used is None else used / GIB)
+            self._memory_total[gpu.index].append(None if total is None else total / GIB)
+        self._mark_dirty()
+
+    # ------------------------------------------------------------------------------ markers
+
+    def name_settings(self, settings: Any, name: str) -> None:
+        """Label the marker for a change to `settings` with `name` (e.g. the profile applied)."""
+        self._label_hints = {settings: name}
+
+    def _marker_label(self, before: Any, after: Any) -> str:
+        if after in self._label_hints:
+            return f"▶ {self._label_hints[after]}"
+        label = settings_change_label(before, after)
+        if len(label) > MARKER_LABEL_CHARS:
+            parts = label.split(", ")
+            label = ", ".join(parts[:2]) + f" +{len(parts) - 2} more"
+        return label
+
+    def _add_marker(self, time_s: float, label: str) -> None:
+        lines = []
+        for plot in self.time_plots:
+            line = pg.InfiniteLine(
+                pos=time_s,
+                angle=90,
+                movable=False,
+                pen=pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine),
+                label=label,
+                labelOpts={
+                    "position": 0.92,
+                    "color": "#a01010",
+                    "fill": (255, 255, 255, 200),
+                    "anchors": [(0, 0), (0, 0)],
+                },
+            )
+            plot.addItem(line, ignoreBounds=True)
+            lines.append(line)
+        self.markers.append(Marker(time_s, self._round_count, label, lines))
+        self.markers_changed.emit()
+
+    # ------------------------------------------------------------------------------ controls
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self.pause_button.setChecked(paused)
+        self.pause_button.setText("Resume" if paused else "Pause")
+        if not paused:
+            self._mark_dirty()
+
+    def clear(self) -> None:
+        for buffer in self._rounds.values():
+            buffer.clear()
+        self._memory_times.clear()
+        self._memory_used.clear()
+        self._memory_total.clear()
+        for curves in (self.memory_used_curves, self.memory_total_curves):
+            for curve in curves.values():
+                self.memory_plot.removeItem(curve)
+            curves.clear()
+        self.memory_plot.setTitle(self._memory_title(with_gpus=False))
+        for marker in self.markers:
+            for plot, line in zip(self.time_plots, marker.lines):
+                plot.removeItem(line)
+        self.markers.clear()
+        self._segments.clear()
+        self._window.clear()
+        self._last_settings = None
+        self._round_count = 0
+        self._origin_s = None
+        self.follow_x = True
+        self.speed_plot.setXRange(0, 1, padding=0)
+        self._position_drafted = np.zeros(0)
+        self._position_accepted = np.zeros(0)
+        self._previous_positions = None
+        self.summary_label.setText("Cleared.")
+        self.markers_changed.emit()
+        self.redraw(force_ranges=True)
+
+    @property
+    def round_count(self) -> int:
+        return self._round_count
+
+    # ------------------------------------------------------------------------------ drawing
+
+    def _on_timer(self) -> None:
+        # Skip work nobody can see: paused, nothing new, or the tab is hidden.
+        if self.paused or not self._dirty or not self.isVisible():
+            return
+        # Keep the plots' share of time under PLOT_TIME_SHARE (see there), but draw at least
+        # once every MAX_FRAME_INTERVAL_S.
+        now = time.monotonic()
+        frame_s = self._redraw_s + self.graphics.paint_s
+        if now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
+            return
+        gate = self.frame_gate
+        if gate is not None and gate.running:
+            # Draw between two rounds, not during one (worker.FrameGate): ask, and draw_frame()
+            # runs when the engine thread grants it.
+            if not gate.requested:
+                gate.request()
+            return
+        self.draw_frame()
+
+    def draw_frame(self) -> None:
+        """Redraw and paint now (synchronously, so the paint is over when this returns)."""
+        self._last_frame_s = time.monotonic()
+        self.frames_drawn += 1
+        started = time.perf_counter()
+        self.redraw()
+        self._redraw_s = 0.8 * self._redraw_s + 0.2 * (time.perf_counter() - started)
+        if self.isVisible():
+            # Paint only the plots this frame changed (a full repaint costs about three times
+            # as much); the x range moving changes them all.
+            plots = self.time_plots + [self.position_plot] if self._all_changed else self._changed
+            region = QRegion()
+            for plot in plots:
+                region += self.graphics.mapFromScene(plot.sceneBoundingRect()).boundingRect()
+            self.graphics.viewport().repaint(region)
+
+    def redraw(self, force_ranges: bool = False) -> None:
+        """Tokens/s every frame; the other plots one per frame in turn (each still several
+        times a second). A frame then repaints two plots, not six, which keeps it short even
+        while the engine thread competes for the GIL. force_ranges draws everything now."""
+        self._dirty = False
+        r = {name: buffer.array() for name, buffer in self._rounds.items()}
+        t = r["time_s"]
+        self.speed_raw_curve.setData(t, r["tokens_per_second"])
+        self.speed_smooth_curve.setData(t, r["tokens_per_second_smoothed"])
+        turn = None if force_ranges else self._turn
+        self._turn = (self._turn + 1) % 5
+        turn_plots = [self.acceptance_plot, self.length_plot, self.time_plot, self.position_plot, self.memory_plot]
+        self._changed = [self.speed_plot] + (turn_plots if turn is None else [turn_plots[turn]])
+        self._all_changed = turn is None
+        if turn in (None, 0):
+            self.acceptance_raw_curve.setData(t, r["acceptance_rate"], connect="finite")
+            self.acceptance_smooth_curve.setData(t, r["acceptance_rate_smoothed"], connect="finite")
+        if turn in (None, 1):
+            self.length_raw_curve.setData(t, r["accepted_length"])
+            self.length_smooth_curve.setData(t, r["accepted_length_smoothed"])
+        if turn in (None, 2):
+            self._draw_time_split(t, r)
+        if turn in (None, 3):
+            self._draw_positions()
+        if turn in (None, 4):
+            self._draw_memory(t, r)
+        # Keep drawing until every plot in the rotation has seen the newest data.
+        self._rotation_left = 0 if turn is None else max(0, self._rotation_left - 1)
+        self._dirty = self._rotation_left > 0
+
+        now = time.monotonic()
+        # One plot's y range per frame too: a range change repaints that plot's axes.
+        self._update_y_ranges(r, only=turn)
+        if force_ranges or now - self._last_x_update >= 0.5:
+            self._last_x_update = now
+            self._all_changed |= self._update_x_range(r["time_s"], exact=force_ranges)
+        if force_ranges or now - self._last_text_update >= 1.0:
+            self._last_text_update = now
+            self._update_texts(r)
+
+    def _draw_time_split(self, t: np.ndarray, r: dict[str, np.ndarray]) -> None:
+        columns = ["time_draft_ms", "time_verify_ms", "time_accept_ms", "time_host_ms"]
+        stacked = np.zeros_like(t)
+        for curve, column in zip(self.time_split_curves, columns):
+            stacked = stacked + _rolling_mean(r[column], SMOOTHING_ROUNDS)
+            curve.setData(t, stacked)
+        self._time_split_top = stacked
+
+    def _draw_positions(self) -> None:
+        rates = _safe_ratio(self._position_accepted, self._position_drafted)
+        positions = np.arange(len(rates), dtype=np.float64)
+        self.position_bars.setOpts(x=positions, height=np.nan_to_num(rates), width=0.5)
+        if self._previous_positions is not None:
+            previous, _ = self._previous_positions
+            self.position_bars_previous.setOpts(
+                x=np.arange(len(previous), dtype=np.float64), height=np.nan_to_num(previous), width=0.8
+            )
+        else:
+            self.position_bars_previous.setOpts(x=[], height=[], width=0.8)
+        width = max(len(rates), len(self._previous_positions[0]) if self._previous_positions else 0, 1)
+        self.position_plot.setXRange(-0.6, width - 0.4, padding=0)
+        self.position_plot.getAxis("bottom").setTicks([[(i, str(i)) for i in range(width)]])
+
+    def _draw_memory(self, t: np.ndarray, r: dict[str, np.ndarray]) -> None:
+        scale = self.memory_scale[0]
+        stacked = np.zeros_like(t)
+        for name, curve in self.memory_component_curves.items():
+            stacked = stacked + np.nan_to_num(r[f"engine_{name}_bytes"]) / scale
+            curve.setData(t, stacked)
+        times = self._memory_times.array()
+        for index, used in self._memory_used.items():
+            color = SERIES_COLORS[(index + 3) % len(SERIES_COLORS)]
+            if index not in self.memory_used_curves:
+                if not self.memory_used_curves:
+                    self.memory_plot.setTitle(self._memory_title(with_gpus=True))
+                self.memory_used_curves[index] = self.memory_plot.plot(pen=pg.mkPen(color, width=2))
+                self.memory_total_curves[index] = self.memory_plot.plot(
+                    pen=pg.mkPen(color, width=1, style=Qt.PenStyle.DashLine)
+                )
+            self.memory_used_curves[index].setData(times, used.array() * GIB / scale, connect="finite")
+            self.memory_total_curves[index].setData(
+                times, self._memory_total[index].array() * GIB / scale, connect="finite"
+            )
+
+    def _stop_following(self, *_: Any) -> None:
+        self.follow_x = False
+
+    def _update_x_range(self, t: np.ndarray, exact: bool = False) -> bool:
+        """Follow the data on x; returns whether the range changed."""
+        if not self.follow_x:
+            return False
+        last = max(
+            float(t[-1]) if t.size else 0.0, float(self._memory_times.last()) if len(self._memory_times) else 0.0
+        )
+        if exact:  # a picture being exported: fit the data
+            self.speed_plot.setXRange(0, max(last * 1.02, 0.1), padding=0)
+            return True
+        # Grow the range in steps of 1.5x when the data nears its edge: a few range changes
+        # over a long run instead of one a second (each one repaints every axis).
+        right = self.speed_plot.getViewBox().viewRange()[0][1]
+        if last > 0.95 * right or right > 4 * max(last, 1.0):
+            self.speed_plot.setXRange(0, max(1.0, 1.5 * last), padding=0)
+            return True
+        return False
+
+    def _update_y_ranges(self, r: dict[str, np.ndarray], only: int | None = None) -> None:
+        """Top of each plot at 1.25 x its peak, changed only when the data outgrows it or
+        shrinks below half of it (after Clear, a slower setting): each change repaints axes."""
+
+        def peak(*arrays: np.ndarray) -> float:
+            finite = [a[np.isfinite(a)] for a in arrays]
+            return max((float(a.max()) for a in finite if a.size), default=0.0)
+
+        def fit(plot: pg.PlotItem, top_value: float) -> None:
+            current = plot.getViewBox().viewRange()[1][1]
+            wanted = 1.25 * top_value if top_value > 0 else 1.0
+            if top_value > current or wanted < 0.5 * current:
+                plot.setYRange(0, wanted, padding=0)
+
+        if only in (None, 0):  # the speed plot's turn comes with the acceptance plot's
+            # Single rounds can be very fast (a short bonus-only round): scale to the smoothed
+            # rate and to most rounds, not to the one outlier.
+            raw = r["tokens_per_second"][np.isfinite(r["tokens_per_second"])]
+            typical = float(np.percentile(raw, 95)) if raw.size else 0.0
+            fit(self.speed_plot, max(peak(r["tokens_per_second_smoothed"]), typical))
+        if only in (None, 1):
+            fit(self.length_plot, peak(r["accepted_length"]))
+        if only in (None, 2):
+            fit(self.time_plot, peak(getattr(self, "_time_split_top", np.zeros(0))))
+        if only not in (None, 4):
+            return
+        # Memory in MiB or GiB, whichever reads better; the curves are redrawn in that unit.
+        peak_bytes = max(
+            [peak(r["engine_memory_bytes"])] + [peak(b.array()) * GIB for b in self._memory_total.values()]
+        )
+        scale = (GIB, "GiB") if peak_bytes >= GIB else (MIB, "MiB")
+        if scale != self.memory_scale:
+            self.memory_scale = scale
+            self.memory_plot.setLabel("left", text=scale[1])
+            self._draw_memory(r["time_s"], r)
+        fit(self.memory_plot, peak_bytes / scale[0])
+
+    def _update_texts(self, r: dict[str, np.ndarray]) -> None:
+        # Which rounds the bars count, in the axis label (changed only at a marker, so the
+        # re-layout that a new label costs is rare).
+        label = "draft position"
+        if self.markers:
+            label += f" — bars: since {self.markers[-1].label}; outline: before"
+        if label != self._position_label:
+            self._position_label = label
+            self.position_plot.setLabel("bottom", text=label)
+        if self._engine_memory:
+            unit, name = self.memory_scale
+            breakdown = " · ".join(
+                f"{MEMORY_SHORT_NAMES.get(k, k)} {v / unit:,.1f}" for k, v in self._engine_memory.items() if v
+            )
+            # A QLabel, not the plot's axis label: changing that would re-layout every plot.
+            self.memory_label.setText(f"Engine memory ({name}): {breakdown}")
+        if not len(r["time_s"]):
+            return
+        rate = r["acceptance_rate_smoothed"][-1]
+        self.summary_label.setText(
+            f"round {self._round_count} · {r['tokens_per_second_smoothed'][-1]:.1f} tok/s · "
+            f"acceptance {'n/a' if np.isnan(rate) else f'{rate:.0%}'} · "
+            f"{r['accepted_length_smoothed'][-1]:.2f} tokens/round · "
+            f"round {r['time_round_ms'][-1]:.1f} ms"
+        )
+
+    # ------------------------------------------------------------------------------ export
+
+    def export_csv(self, path: str | Path) -> list[Path]:
+        """Write the plotted rounds to `path` (one row per round, with the settings each ran
+        with and the marker label where they changed) and, when there are NVML readings, the
+        per-GPU memory to `<stem>-gpu-memory.csv`. Missing readings are empty, never 0."""
+        path = Path(path)
+        r = {name: buffer.array() for name, buffer in self._rounds.items()}
+        n = len(r["time_s"])
+        first_round = self._round_count - n  # rounds older than the history dropped off
+        segment_starts = [start for start, _ in self._segments]
+        marker_at = {m.round_number: m.label for m in self.markers}
+        written = [path]
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            writer.writerow(self.ROUND_COLUMNS + ["settings", "marker"])
+            segment = 0
+            for i in range(n):
+                number = first_round + i
+                while segment + 1 < len(segment_starts) and segment_starts[segment + 1] <= number:
+                    segment += 1
+                settings = self._segments[segment][1] if self._segments else None
+                row = [_csv_value(r[name][i], name) for name in self.ROUND_COLUMNS]
+                row.append(settings_summary(settings) if settings is not None else "")
+                row.append(marker_at.get(number, ""))
+                writer.writerow(row)
+        if self._memory_used:
+            memory_path = path.with_name(f"{path.stem}-gpu-memory.csv")
+            times = self._memory_times.array()
+            with memory_path.open("w", newline="", encoding="utf-8") as f:
+                writer = csv.writer(f)
+                writer.writerow(["time_s", "gpu", "name", "memory_used_gib", "memory_total_gib"])
+                for index, used in self._memory_used.items():
+                    used_values = used.array()
+                    total_values = self._memory_total[index].array()
+                    for i, t in enumerate(times):
+                        writer.writerow(
+                            [
+                                f"{t:.4f}",
+                                index,
+                                self._gpu_names.get(index, ""),
+                                _csv_value(used_values[i]),
+                                _csv_value(total_values[i]),
+                            ]
+                        )
+            written.append(memory_path)
+        return written
+
+    def export_png(self, path: str | Path) -> Path:
+        self.redraw(force_ranges=True)
+        path = Path(path)
+        if not self.graphics.grab().save(str(path)):
+            raise OSError(f"could not write {path}")
+        return path
+
+
+def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    if values.size == 0:
+        return values
+    clean = np.nan_to_num(values)
+    sums = np.cumsum(clean)
+    out = np.empty_like(clean)
+    out[:window] = sums[:window] / np.arange(1, min(window, clean.size) + 1)
+    if clean.size > window:
+        out[window:] = (sums[window:] - sums[:-window]) / window
+    return out
+
+
+def _safe_ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(denominator > 0, numerator / np.maximum(denominator, 1), np.nan)
+
+
+def _csv_value(value: float, name: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if name in ("run", "round", "tokens", "drafted", "accepted") or name.endswith("_bytes"):
+        return str(int(value))
+    return f"{value:.6g}"

@@ -1,0 +1,589 @@
+"""The main window: the run panel and knobs on the left, tabs on the right (Live, GPU monitor,
+Profiles, Bench), an error banner on top and the engine's state in the status bar.
+
+The window never calls the engine itself: runs, loads and benches go to the EngineWorker (the
+engine thread), and its signals come back here, where handlers only store data and update
+widgets. Plots and text redraw on their own timers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.bench_tab import BenchTab
+from app.controls import KnobPanel, RunPanel
+from app.monitor import MonitorSample, MonitorSampler, MonitorTab
+from app.output_view import OutputView
+from app.plots import RunPlots, settings_summary
+from app.profiles_view import ProfilesTab, figures_from_stats
+from app.worker import (
+    BenchRequest,
+    EngineWorker,
+    LoadedModel,
+    ModelKey,
+    RunFinished,
+    RunRequest,
+    RunStarted,
+)
+from engine.profiles import (
+    Profile,
+    ProfileStore,
+    config_dir,
+    load_last_used,
+    save_last_used,
+)
+from engine.settings import EngineSettings
+
+ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
+
+
+class MainWindow(QMainWindow):
+    run_finished = Signal(object)  # RunFinished, after the window has handled it (tests wait on it)
+
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        nvml: Any = None,
+        remember: bool = True,
+        sample_interval_s: float | None = None,
+    ):
+        """model_dir: preselect this model folder (None: the bundled one).
+        nvml: an NVML module to use instead of pynvml (tests).
+        remember: restore and save the last used settings and window state."""
+        super().__init__()
+        self.setWindowTitle("SpecDeck")
+        if ICON_PATH.exists():
+            self.setWindowIcon(QIcon(str(ICON_PATH)))
+        self.remember = remember
+        self.state = "idle"  # idle | running (includes its load) | bench
+        self.model_info: dict[str, Any] | None = None
+        self.applied_settings: EngineSettings | None = None  # what the engine last ran with
+        self.applied_profile: Profile | None = None  # re-scaled to each model's vocabulary
+        self.last_run: RunFinished | None = None
+        self.last_error: str | None = None
+        self._stopping = False
+        self._last_request: RunRequest | None = None
+        self._gpu_names: list[str] = []
+        self.qsettings = QSettings(str(config_dir() / "window.ini"), QSettings.Format.IniFormat)
+
+        from engine import EngineError, bundled_model_dir
+        from engine.workloads import load_workloads
+
+        startup_problems = []
+        try:
+            self.workloads = load_workloads()
+        except EngineError as exc:
+            self.workloads = {}
+            startup_problems.append(str(exc))
+        try:
+            bundled = bundled_model_dir()
+        except EngineError:
+            bundled = None
+
+        # ---- widgets
+        self.run_panel = RunPanel(self.workloads, bundled)
+        self.knobs = KnobPanel()
+        self.profile_combo = QComboBox()
+        self.profile_combo.setToolTip("Apply a saved profile's settings")
+        self.profile_combo.activated.connect(self._on_quick_profile)
+        quick_row = QHBoxLayout()
+        quick_row.addWidget(QLabel("Profile"))
+        quick_row.addWidget(self.profile_combo, 1)
+
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.addWidget(self.run_panel)
+        left_layout.addLayout(quick_row)
+        left_layout.addWidget(self.knobs)
+        left_layout.addStretch(1)
+        left_scroll = QScrollArea()
+        left_scroll.setWidget(left)
+        left_scroll.setWidgetResizable(True)
+        left_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        left_scroll.setMinimumWidth(330)
+        left_scroll.setMaximumWidth(420)
+
+        self.plots = RunPlots()
+        self.output = OutputView()
+        live = QSplitter(Qt.Orientation.Vertical)
+        live.addWidget(self.plots)
+        live.addWidget(self.output)
+        live.setStretchFactor(0, 3)
+        live.setStretchFactor(1, 1)
+        live.setSizes([640, 200])
+
+        self.monitor_tab = MonitorTab()
+        self.store = ProfileStore()
+        self.profiles_tab = ProfilesTab(
+            self.store, self.knobs.settings, self.current_figures, lambda: list(self._gpu_names)
+        )
+        self.bench_tab = BenchTab(list(self.workloads))
+
+        self.tabs = QTabWidget()
+        self.tabs.addTab(live, "Live")
+        self.tabs.addTab(self.monitor_tab, "GPU monitor")
+        self.tabs.addTab(self.profiles_tab, "Profiles")
+        self.tabs.addTab(self.bench_tab, "Bench")
+
+        self.error_label = QLabel("")
+        self.error_label.setWordWrap(True)
+        self.error_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.error_close = QPushButton("Dismiss")
+        self.error_close.clicked.connect(self.clear_error)
+        self.error_banner = QWidget()
+        self.error_banner.setStyleSheet("background:#f8d7da; color:#842029;")
+        banner_layout = QHBoxLayout(self.error_banner)
+        banner_layout.addWidget(self.error_label, 1)
+        banner_layout.addWidget(self.error_close)
+        self.error_banner.hide()
+
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(0, 0, 0, 0)
+        right_layout.addWidget(self.error_banner)
+        right_layout.addWidget(self.tabs, 1)
+        splitter = QSplitter()
+        splitter.addWidget(left_scroll)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(1, 1)
+        self.setCentralWidget(splitter)
+
+        self.state_label = QLabel("Idle")
+        self.model_label = QLabel("No model loaded")
+        # Both permanent: temporary messages (showMessage) appear at the left and never cover them.
+        self.statusBar().addPermanentWidget(self.state_label)
+        self.statusBar().addPermanentWidget(self.model_label)
+        self._build_menu()
+
+        # ---- the engine thread and the monitor thread
+        self.worker = EngineWorker()
+        self.worker.load_started.connect(self._on_load_started)
+        self.worker.loaded.connect(self._on_loaded)
+        self.worker.started.connect(self._on_run_started)
+        self.worker.round.connect(self._on_rounds)
+        self.worker.finished.connect(self._on_run_finished)
+        self.worker.errored.connect(self.show_error)
+        self.worker.bench_progress.connect(self.bench_tab.on_progress)
+        self.worker.bench_finished.connect(self._on_bench_finished)
+        self.worker.frame_granted.connect(self._draw_granted_frame)
+        self.plots.frame_gate = self.worker.frame_gate
+        self.output.frame_gate = self.worker.frame_gate
+
+        self.sampler = MonitorSampler(nvml=nvml, **({"interval_s": sample_interval_s} if sample_interval_s else {}))
+        self.sampler.sampled.connect(self._on_sample)
+        self.sampler.sampled.connect(self.monitor_tab.add_sample)
+        self.sampler.sampled.connect(self.plots.add_memory_sample)
+
+        # ---- wiring between panels
+        self.run_panel.run_clicked.connect(self.start_run)
+        self.run_panel.stop_clicked.connect(self.stop)
+        self.run_panel.model_changed.connect(self._on_model_choice_changed)
+        self.knobs.settings_changed.connect(self._on_knobs_changed)
+        self.profiles_tab.apply_requested.connect(self.apply_profile)
+        self.profiles_tab.message.connect(self.show_message)
+        self.profiles_tab.profiles_changed.connect(self._on_profiles_changed)
+        self.bench_tab.start_requested.connect(self.start_bench)
+        self.bench_tab.stop_requested.connect(self.stop)
+        self.bench_tab.message.connect(self.show_message)
+        self.plots.export_csv_button.clicked.connect(self.export_plot_csv)
+        self.plots.export_png_button.clicked.connect(self.export_plot_png)
+
+        self._save_timer = QTimer(self)
+        self._save_timer.setSingleShot(True)
+        self._save_timer.setInterval(500)
+        self._save_timer.timeout.connect(self._save_last_used)
+
+        self._on_profiles_changed()
+        if remember:
+            self._restore_state()
+        if model_dir:
+            self.run_panel.add_model_dir(model_dir)
+        self._on_model_choice_changed()
+        for problem in startup_problems:
+            self.show_error("startup", problem)
+        if self.profiles_tab.problems:
+            self.show_message(f"{len(self.profiles_tab.problems)} bad profile file(s) skipped: see the Profiles tab")
+        self.sampler.start()
+        self.resize(1440, 900)
+
+    # ------------------------------------------------------------------ menu
+
+    def _build_menu(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        open_model = QAction("Open model folder…", self)
+        open_model.setShortcut(QKeySequence.StandardKey.Open)
+        open_model.triggered.connect(self._open_model_folder)
+        export_csv = QAction("Export plot data (CSV)…", self)
+        export_csv.triggered.connect(self.export_plot_csv)
+        export_png = QAction("Export plots (PNG)…", self)
+        export_png.triggered.connect(self.export_plot_png)
+        quit_action = QAction("Quit", self)
+        quit_action.setShortcut(QKeySequence.StandardKey.Quit)
+        quit_action.triggered.connect(self.close)
+        for action in (open_model, export_csv, export_png):
+            file_menu.addAction(action)
+        file_menu.addSeparator()
+        file_menu.addAction(quit_action)
+        run_menu = self.menuBar().addMenu("&Run")
+        run_action = QAction("Run", self)
+        run_action.setShortcut("Ctrl+R")
+        run_action.triggered.connect(self.start_run)
+        stop_action = QAction("Stop", self)
+        stop_action.setShortcut("Ctrl+.")
+        stop_action.triggered.connect(self.stop)
+        run_menu.addAction(run_action)
+        run_menu.addAction(stop_action)
+        help_menu = self.menuBar().addMenu("&Help")
+        about = QAction("About SpecDeck", self)
+        about.triggered.connect(self._about)
+        help_menu.addAction(about)
+
+    def _open_model_folder(self) -> None:
+        directory = self.run_panel.ask_model_dir()
+        if directory:
+            self.run_panel.add_model_dir(directory)
+
+    def _about(self) -> None:
+        from engine import __version__
+
+        QMessageBox.about(self, "About SpecDeck", f"SpecDeck {__version__}\nLive tuning of MTP speculative decoding.")
+
+    # ------------------------------------------------------------------ runs
+
+    def model_key(self) -> ModelKey:
+        return ModelKey(self.run_panel.model_dir(), self.run_panel.device(), self.run_panel.dtype())
+
+    def start_run(self) -> None:
+        if self.state != "idle":
+            return
+        self.clear_error()
+        workload = self.run_panel.workload_name()
+        request = RunRequest(
+            key=self.model_key(),
+            workload=workload,
+            prompt=self.run_panel.prompt(),
+            max_new_tokens=self.run_panel.max_new_tokens.value(),
+            settings=self.knobs.settings(),
+            label=workload or "custom prompt",
+        )
+        self._begin(request)
+
+    def _begin(self, request: RunRequest) -> None:
+        self._last_request = request
+        self._stopping = False
+        self.state = "running"
+        self.run_panel.set_running(True)
+        self.bench_tab.run_button.setEnabled(False)
+        self.plots.recording = True
+        self.state_label.setText("Starting…")
+        self.worker.load_and_run(request)
+
+    def stop(self) -> None:
+        """Stop the run (or bench) within one round; a repeat loop ends too."""
+        if self.state == "idle":
+            return
+        self._stopping = True
+        self.state_label.setText("Stopping…")
+        self.worker.stop()
+
+    def _on_load_started(self, message: str) -> None:
+        self.plots.recording = True
+        self.state_label.setText(message)
+
+    def _on_loaded(self, loaded: LoadedModel) -> None:
+        info = loaded.info
+        self.model_info = info
+        self.model_label.setText(
+            f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
+            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}"
+        )
+        self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
+        self.plots.set_engine_memory(loaded.memory)
+        self._update_knob_context()
+        if self.applied_profile is not None and self.applied_profile.sub_vocab_fraction is not None:
+            # The profile gives sub-vocab as a share of the vocabulary; the worker scaled it to
+            # this model before its first round: show that value.
+            settings = self.applied_profile.settings_for(info["vocab_size"])
+            self.plots.name_settings(settings, self.applied_profile.name)
+            self.knobs.set_settings(settings)
+        elif self.knobs.settings().sub_vocab > info["vocab_size"]:
+            self.knobs.set_settings(self.knobs.settings().replace(sub_vocab=0), emit=True)
+
+    def _on_run_started(self, started: RunStarted) -> None:
+        self.output.begin_run(f"run {started.run_id} · {started.label} · {settings_summary(started.settings)}")
+        self.state_label.setText(f"Running {started.label}…")
+
+    def _on_rounds(self, updates: list[Any]) -> None:
+        # Called for each batch the worker emits (at most ~30 per second): store, don't draw.
+        self.plots.add_rounds(updates)
+        self.output.add_rounds(updates)
+        settings = updates[-1].event.settings
+        if settings != self.applied_settings:
+            self.applied_settings = settings
+            self.knobs.show_applied(settings)
+
+    def _draw_granted_frame(self) -> None:
+        # The engine thread waits between two rounds until release(), however this goes.
+        try:
+            self.plots.draw_frame()
+            self.output.flush(paint_now=True)
+        finally:
+            self.worker.frame_gate.release()
+
+    def _on_run_finished(self, finished: RunFinished) -> None:
+        if finished.stats:
+            self.last_run = finished
+        repeat = (
+            self.run_panel.repeat.isChecked()
+            and not self._stopping
+            and finished.stop_reason in ("length", "eos")
+            and self._last_request is not None
+        )
+        if repeat:  # same workload again; the worker runs it with the latest settings
+            self.worker.load_and_run(self._last_request)
+        else:
+            self.state = "idle"
+            self.plots.recording = False
+            self.run_panel.set_running(False)
+            self.bench_tab.run_button.setEnabled(True)
+            stats = finished.stats or {}
+            if finished.stop_reason == "error":
+                self.state_label.setText("Run failed (see the message above)")
+            elif stats:
+                self.state_label.setText(
+                    f"Run {finished.stop_reason}: {stats.get('generated', 0)} tokens, "
+                    f"{stats.get('tokens_per_second', 0):.1f} tok/s, acceptance "
+                    f"{stats.get('acceptance_rate', 0):.0%}, "
+                    f"{stats.get('mean_accepted_length', 0):.2f} tokens/round"
+                )
+            else:
+                self.state_label.setText("Stopped")
+        self.run_finished.emit(finished)
+
+    # ------------------------------------------------------------------ knobs and profiles
+
+    def _on_knobs_changed(self, settings: EngineSettings) -> None:
+        self.applied_profile = None  # a knob turned by hand: the profile no longer applies
+        self.worker.set_settings(settings)
+        self._after_settings_change()
+
+    def _after_settings_change(self) -> None:
+        self.knobs.show_applied(self.applied_settings if self.state == "running" else None)
+        if self.remember:
+            self._save_timer.start()
+
+    def apply_profile(self, profile: Profile) -> None:
+        vocab = self.model_info["vocab_size"] if self.model_info else None
+        settings = profile.settings_for(vocab) if vocab else profile.settings
+        self.plots.name_settings(settings, profile.name)
+        self.knobs.set_settings(settings)
+        self.applied_profile = profile
+        self.worker.set_settings(profile.settings, profile.sub_vocab_fraction)
+        self._after_settings_change()
+        self.profile_combo.setCurrentText(profile.name)
+
+    def _on_quick_profile(self, index: int) -> None:
+        profile = next((p for p in self.profiles_tab.profiles if p.name == self.profile_combo.itemText(index)), None)
+        if profile is not None:
+            self.apply_profile(profile)
+            self.show_message(f"Applied profile {profile.name!r}")
+
+    def _on_profiles_changed(self) -> None:
+        profiles = self.profiles_tab.profiles
+        current = self.profile_combo.currentText()
+        self.profile_combo.blockSignals(True)
+        self.profile_combo.clear()
+        self.profile_combo.addItems([p.name for p in profiles])
+        self.profile_combo.setCurrentIndex(self.profile_combo.findText(current))
+        self.profile_combo.blockSignals(False)
+        self.bench_tab.set_profiles(profiles)
+
+    def current_figures(self) -> dict[str, Any]:
+        """The figures stored with a profile saved now: the latest bench arm run with exactly
+        these settings, else the latest run's cumulative stats."""
+        settings = self.knobs.settings()
+        report = self.bench_tab.report
+        if report is not None:
+            for arm in report.arms:
+                if arm.settings == settings:
+                    return self.bench_tab.figures_for(arm.name, self.model_info)
+        if self.last_run is not None and self.last_run.stats:
+            return figures_from_stats(self.last_run.stats, "live run", self.model_info)
+        return {}
+
+    def _update_knob_context(self) -> None:
+        key = self.model_key()
+        if self.model_info and self.worker.loaded_key == key:
+            devices = self.model_info.get("devices") or [self.model_info.get("device", "cpu")]
+            device = str(devices[0]).split(":")[0]
+            self.knobs.set_context(device, len(devices), self.model_info.get("vocab_size"))
+        else:  # chosen, not loaded yet: judge by the choice
+            device = key.devices[0].split(":")[0]
+            vocab = self.model_info.get("vocab_size") if self.model_info else None
+            self.knobs.set_context(device, len(key.devices), vocab)
+
+    def _on_model_choice_changed(self) -> None:
+        self._update_knob_context()
+
+    # ------------------------------------------------------------------ bench
+
+    def start_bench(self, spec: tuple[list[tuple[str, Profile]], list[str], int, int]) -> None:
+        if self.state != "idle":
+            self.show_message("Stop the run before starting a bench")
+            self.bench_tab.set_running(False)
+            return
+        arms, workloads, rounds, max_new_tokens = spec
+        self.clear_error()
+        self.state = "bench"
+        self._stopping = False
+        self.run_panel.set_running(True)
+        self.state_label.setText("Bench running…")
+        self.worker.bench(BenchRequest(self.model_key(), arms, workloads, rounds, max_new_tokens))
+
+    def _on_bench_finished(self, report: Any) -> None:
+        self.state = "idle"
+        self.run_panel.set_running(False)
+        self.bench_tab.on_finished(report)
+        self.state_label.setText("Bench done" if report is not None else "Bench stopped")
+        if report is None or not self.bench_tab.record_figures.isChecked():
+            return
+        # Arms are named after their profiles (a profile benched against itself gets "(A)" /
+        # "(B)" appended, matches no profile, and so stores nothing).
+        for arm_name in [arm.name for arm in report.arms]:
+            self.profiles_tab.record_bench(arm_name, self.bench_tab.figures_for(arm_name, self.model_info))
+
+    # ------------------------------------------------------------------ monitor
+
+    def _on_sample(self, sample: MonitorSample) -> None:
+        names = [gpu.name for gpu in sample.gpus]
+        if names != self._gpu_names:
+            self._gpu_names = names
+            self.run_panel.set_devices(names)
+
+    # ------------------------------------------------------------------ messages
+
+    def show_error(self, context: str, message: str) -> None:
+        what = {"load": "Could not load the model", "run": "The run failed", "bench": "The bench failed"}.get(
+            context, "Problem"
+        )
+        self.last_error = f"{what}: {message}"
+        self.error_label.setText(f"<b>{what}</b>: {_html(message)}")
+        self.error_banner.show()
+        self.statusBar().showMessage(self.last_error, 10000)
+
+    def clear_error(self) -> None:
+        self.error_banner.hide()
+
+    def show_message(self, text: str) -> None:
+        self.statusBar().showMessage(text, 6000)
+
+    # ------------------------------------------------------------------ export
+
+    def export_plot_csv(self, path: str | None = None) -> list[Path]:
+        if not path:
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Export plot data", str(Path.home() / "specdeck-run.csv"), "CSV (*.csv)"
+            )
+            if not path:
+                return []
+        written = self.plots.export_csv(path)
+        self.show_message("Wrote " + ", ".join(str(p) for p in written))
+        return written
+
+    def export_plot_png(self, path: str | None = None) -> Path | None:
+        if not path:
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Export plots", str(Path.home() / "specdeck-plots.png"), "PNG (*.png)"
+            )
+            if not path:
+                return None
+        written = self.plots.export_png(path)
+        self.show_message(f"Wrote {written}")
+        return written
+
+    # ------------------------------------------------------------------ persistence
+
+    def _restore_state(self) -> None:
+        settings, problem = load_last_used()
+        if settings is not None:
+            self.knobs.set_settings(settings)
+            self.worker.set_settings(settings)
+        if problem:
+            self.show_message(problem)
+        q = self.qsettings
+        geometry = q.value("window/geometry")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        for directory in q.value("run/model_dirs", [], type=list) or []:
+            if Path(directory).is_dir():
+                self.run_panel.add_model_dir(directory)
+        chosen = q.value("run/model_dir", "")
+        if chosen:
+            index = self.run_panel.model_combo.findData(chosen)
+            if index >= 0:
+                self.run_panel.model_combo.setCurrentIndex(index)
+        else:
+            self.run_panel.model_combo.setCurrentIndex(0)
+        self.run_panel.dtype_combo.setCurrentText(q.value("run/dtype", "float32"))
+        workload = q.value("run/workload", "")
+        self.run_panel.select_workload(workload or None)
+        if not workload:
+            self.run_panel.prompt_edit.setPlainText(q.value("run/custom_prompt", ""))
+        self.run_panel.max_new_tokens.setValue(int(q.value("run/max_new_tokens", 256)))
+        self.run_panel.repeat.setChecked(q.value("run/repeat", "true") in (True, "true"))
+
+    def _save_last_used(self) -> None:
+        try:
+            save_last_used(self.knobs.settings())
+        except OSError as exc:
+            self.show_message(f"Could not save the last used settings: {exc}")
+
+    def _save_state(self) -> None:
+        self._save_last_used()
+        q = self.qsettings
+        q.setValue("window/geometry", self.saveGeometry())
+        q.setValue("run/model_dirs", self.run_panel.model_dirs())
+        q.setValue("run/model_dir", self.run_panel.model_dir() or "")
+        q.setValue("run/dtype", self.run_panel.dtype())
+        q.setValue("run/workload", self.run_panel.workload_name() or "")
+        if self.run_panel.workload_name() is None:
+            q.setValue("run/custom_prompt", self.run_panel.prompt())
+        q.setValue("run/max_new_tokens", self.run_panel.max_new_tokens.value())
+        q.setValue("run/repeat", self.run_panel.repeat.isChecked())
+        q.sync()
+
+    def shutdown(self) -> None:
+        """Stop the threads (idempotent). closeEvent calls it; tests call it directly too."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
+        if self.remember:
+            self._save_state()
+        self.worker.shutdown()
+        self.sampler.stop()
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
+        self.shutdown()
+        super().closeEvent(event)
+
+
+def _html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
