@@ -101,8 +101,6 @@ def screenshot(
         if not finished:
             window.stop()
             raise TimeoutError(f"the screenshot run did not finish within {timeout_s:.0f} s")
-        if window.last_error:
-            print(f"specdeck screenshot: {window.last_error}", file=sys.stderr)
         # Let the plots, text and monitor catch up, then draw everything once more.
         end = time.monotonic() + 0.6
         while time.monotonic() < end:
@@ -115,6 +113,10 @@ def screenshot(
         path.parent.mkdir(parents=True, exist_ok=True)
         if not window.grab().save(str(path)):
             raise OSError(f"could not write {path}")
+        if window.last_error:  # the picture shows the error banner; the command still fails
+            from engine.errors import EngineError
+
+            raise EngineError(f"{window.last_error} (the picture at {path} shows it)")
         return path
     finally:
         window.shutdown()
