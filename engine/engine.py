@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,28 @@ def _parse_device(device: str) -> torch.device:
     elif dev.type != "cpu":
         raise EngineError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
     return dev
+
+
+class _StreamText:
+    """Incremental detokenisation with a bounded cost per round: decode the tokens since the last line
+    break and emit what was not shown yet (decoders may merge bytes or spaces across tokens, so pieces
+    are never decoded alone); an incomplete UTF-8 sequence waits for the token that completes it."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.line: list[int] = []
+        self.shown = 0
+
+    def add(self, tokens: list[int]) -> str:
+        self.line.extend(tokens)
+        full = self.tokenizer.decode(self.line)
+        if full.endswith("\ufffd"):
+            full = full.rstrip("\ufffd")
+        text = full[self.shown :]
+        self.shown = len(full)
+        if full.endswith("\n"):
+            self.line, self.shown = [], 0
+        return text
 
 
 def _enable_kernels(dev: torch.device) -> str:
@@ -218,17 +241,18 @@ class Engine:
             ) from None
         plans = PlanPool(self.model.device, capturable=ops_use_cuda() and self.model.capturable)
         sess = Session(state, plans, settings)
-        self._all_sessions.append(sess)
+        self._live_sessions.add(sess)
         return sess
 
     @property
-    def _all_sessions(self) -> list[Session]:
-        if not hasattr(self, "_session_list"):
-            self._session_list: list[Session] = []
-        return self._session_list
+    def _live_sessions(self) -> weakref.WeakSet:
+        """Sessions still referenced somewhere: a session dropped by its owner frees its buffers."""
+        if not hasattr(self, "_session_set"):
+            self._session_set: weakref.WeakSet = weakref.WeakSet()
+        return self._session_set
 
     def _sessions(self) -> list[Session]:
-        return list(self._all_sessions)
+        return list(self._live_sessions)
 
     @property
     def default_session(self) -> Session:
@@ -304,7 +328,7 @@ class Engine:
                 stats.prefill_tokens = prefill(self.model, state)
             stats.prefill_s = time.perf_counter() - t0
             generated: list[int] = []
-            shown = ""
+            stream_text = _StreamText(self.tokenizer)
             index = 0
             while True:
                 if sess.cancelled:
@@ -330,11 +354,7 @@ class Engine:
                     return
                 t_host = time.perf_counter()
                 generated.extend(out.tokens)
-                full = self.tokenizer.decode(generated)
-                if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: show it when it completes
-                    full = full.rstrip("\ufffd")
-                text = full[len(shown) :] if full.startswith(shown) else full
-                shown = full
+                text = stream_text.add(out.tokens)
                 done = out.hit_eos or len(generated) >= max_new_tokens
                 t_end = time.perf_counter()
                 ev = RoundEvent(

@@ -52,6 +52,11 @@ class RoundOutcome:
     plan_hits: int = 0
     plan_misses: int = 0
     plan_capture_s: float = 0.0
+    # Host-side split of the round (wall clock): until the verify plan was launched, waiting in the
+    # one synchronisation, and after it. For profiling where a round's time goes.
+    host_launch_s: float = 0.0
+    host_wait_s: float = 0.0
+    host_after_s: float = 0.0
 
 
 def prefill(model: Model, state: SessionState) -> int:
@@ -240,6 +245,7 @@ def run_round(
 
     width = n_drafts + 1
     plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
+    t_launched = time.perf_counter()
     clock.mark()
     out_host = state.out_host[: width + 2]
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
@@ -247,6 +253,7 @@ def run_round(
         clock.mark()  # recorded before the sync, so every event is complete when the spans are read
         if model.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+    t_synced = time.perf_counter()
     got = out_host.tolist()
     t_read = time.perf_counter()
 
@@ -279,4 +286,7 @@ def run_round(
         plan_hits=hits1 - hits0,
         plan_misses=misses1 - misses0,
         plan_capture_s=cap1 - cap0,
+        host_launch_s=t_launched - t0,
+        host_wait_s=t_synced - t_launched,
+        host_after_s=t_end - t_synced,
     )

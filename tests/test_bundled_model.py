@@ -50,3 +50,16 @@ def test_acceptance_is_real_on_code_echo(eng):
     prompt = load_workloads()["code_echo"].prompt_for(eng.tokenizer)
     s = eng.generate(prompt, 64, EngineSettings(draft_depth=3), eng.new_session()).stats
     assert s["mean_accepted_length"] >= 2.0
+
+
+def test_streamed_text_pieces_add_up_to_the_whole_text(eng):
+    for w in load_workloads().values():
+        prompt = w.prompt_for(eng.tokenizer)
+        events = list(eng.stream(prompt, N_NEW, EngineSettings(draft_depth=4), eng.new_session()))
+        tokens = [t for ev in events for t in ev.tokens]
+        assert "".join(ev.text for ev in events) == eng.tokenizer.decode(tokens)
+    pieces = [eng.tokenizer.encode("é ü → ✓ 日本")]  # multi-byte characters split across tokens
+    from engine.engine import _StreamText
+
+    stream = _StreamText(eng.tokenizer)
+    assert "".join(stream.add([t]) for t in pieces[0]) == "é ü → ✓ 日本"
