@@ -69,6 +69,13 @@ def prefill(model: Model, state: SessionState) -> int:
     ids = torch.tensor(todo, dtype=torch.long, device=model.device)
     hidden = model.forward(ids, state)
     state.hidden[start : start + len(todo)] = hidden
+    # The MTP head catches up over the prompt here too (all pending rows but the last, which the first
+    # draft step takes), so the first decode round has the same small shape as every other round.
+    first, last = state.mtp_len, n - 2
+    if model.has_mtp and last > first:
+        toks = torch.tensor(state.tokens[first + 1 : last + 1], dtype=torch.long, device=model.device)
+        model.mtp_forward(toks, state.hidden[first:last], first, state)
+        state.mtp_len = last
     return len(todo)
 
 
