@@ -210,8 +210,10 @@ def run_round(
     clock = _Clock(model.device)
     t0 = time.perf_counter()
     clock.mark()
-    # Drafts beyond what may be emitted or what fits the context are wasted work: cap them.
-    depth = max(0, min(settings.draft_depth, budget - 1, state.max_context - n)) if settings.speculative else 0
+    # The depth is capped only by what fits the context, not by the token budget: near the end of a run
+    # a shallower round would be a new plan shape (a capture, milliseconds) to save a few draft steps;
+    # tokens past the budget are simply not emitted.
+    depth = max(0, min(settings.draft_depth, state.max_context - n)) if settings.speculative else 0
     first = state.mtp_len
     width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1
     use_mtp = drafter is None and model.has_mtp and depth > 0 and width_mtp > 0
