@@ -190,12 +190,10 @@ def run_bench(
     total = rounds * len(workloads) * len(arms)
     done = 0
     session = engine.new_session()
-    if warmup:
+    if warmup:  # one untimed full-length run per arm: its plans (CUDA graphs) get captured here
         for a in arms:
             session.reset()
-            engine.generate(
-                available[workloads[0]].prompt_for(engine.tokenizer), min(16, max_new_tokens), a.settings, session
-            )
+            engine.generate(available[workloads[0]].prompt_for(engine.tokenizer), max_new_tokens, a.settings, session)
     for rnd in range(rounds):
         order = arms if rnd % 2 == 0 else list(reversed(arms))
         for w in workloads:
