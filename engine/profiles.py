@@ -257,8 +257,14 @@ def write_atomically(path: Path, text: str) -> None:
     is fsynced before the rename, and the directory is fsynced after it so the rename survives
     a power cut.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:  # a read-only folder, a full disk: say where and what to do
+        raise ProfileError(
+            f"cannot write {path.name} in {path.parent} ({exc.strerror or exc}); make that folder writable "
+            f"or point {CONFIG_DIR_ENV} at one that is"
+        ) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as tmp:
             tmp.write(text)
