@@ -56,10 +56,11 @@ class OutputView(QWidget):
         self._target_format = QTextCharFormat()
         self._target_format.setBackground(TARGET_BACKGROUND)
 
-        # 10 text updates a second read as streaming; each one costs the GUI thread a layout
-        # and a paint, so no more than that.
+        # 4 text updates a second read as streaming; each one costs the GUI thread a layout and a
+        # paint, time the engine thread then waits for the GIL (measured: 10 a second cost the run
+        # 3-4% of its tokens/s on a 2-core CPU, 4 a second under 1%; bench/app_vs_headless.py).
         self._timer = QTimer(self)
-        self._timer.setInterval(100)
+        self._timer.setInterval(250)
         self._timer.timeout.connect(self._on_timer)
         self._timer.start()
         # While a run streams, the window flushes the text in the plots' frames, drawn while

@@ -51,8 +51,9 @@ MEMORY_HISTORY = 20_000  # memory samples kept
 REDRAW_HZ = 20  # the most frames a second; fewer when frames cost more (PLOT_TIME_SHARE)
 # While a run streams, frames are drawn while the engine thread waits between two rounds
 # (worker.FrameGate), so each frame costs the engine its own time: frames may take at most this
-# share of wall time, and come at least once a second.
-PLOT_TIME_SHARE = 0.02
+# share of wall time, and come at least once a second. (0.02 cost a CPU run about 7% of its tokens/s
+# on 2 cores; 0.005 keeps the app within 1% of the headless engine: bench/app_vs_headless.py.)
+PLOT_TIME_SHARE = 0.005
 MAX_FRAME_INTERVAL_S = 1.0
 MIB = 1024**2
 GIB = 1024**3
