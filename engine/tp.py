@@ -27,7 +27,7 @@ from kernels import ops
 
 from .config import ModelConfig
 from .errors import EngineError
-from .model import RECURRENT_MAX_TOKENS, Model
+from .model import Model
 from .state import SessionState
 
 
@@ -253,15 +253,7 @@ class TPModel:
         return x.to(device, non_blocking=True)
 
     # ---- target -------------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
-        start = state.target_len
-        t = ids.shape[0]
-        if start + t > state.max_context:
-            raise ValueError(f"context overflow: {start + t} > {state.max_context}")
-        recurrent = t <= min(RECURRENT_MAX_TOKENS, state.n_planes - 1)
-        hidden = self.forward_layers(ids, state, start, recurrent)
-        state.record_batch(start, t, every_plane=recurrent)
-        return hidden
+    forward = Model.forward  # the same bookkeeping around this class's forward_layers
 
     def forward_layers(self, ids: torch.Tensor, state: SessionState, start, recurrent: bool) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -269,23 +261,32 @@ class TPModel:
         starts = [self._on(start, dev, local) for _, dev, local in plan]
         xs = [F.embedding(self._on(ids, dev, local), sh.w["embed_tokens.weight"]) for sh, dev, local in plan]
         for i, kind in enumerate(cfg.layer_types):
-            p = f"layers.{i}."
-            parts = []
-            for (sh, _, _), st, x, s0 in zip(plan, state.shards, xs, starts):
-                h = ops.rmsnorm(x, sh.w[p + "input_layernorm.weight"], eps)
-                if kind == "full_attention":
-                    parts.append(sh._attention(p, h, s0, st.k_cache[i], st.v_cache[i]))
-                else:
-                    parts.append(sh._delta_net(i, h, st, s0, recurrent))
-            mixed = self.reduce(parts)
-            hs, new_xs = [], []
-            for (sh, _, _), x, m in zip(plan, xs, mixed):
-                h, x = ops.add_rmsnorm(m, x, sh.w[p + "post_attention_layernorm.weight"], eps)
-                hs.append(h)
-                new_xs.append(x)
-            mlp = self.reduce([sh._mlp(p, h) for (sh, _, _), h in zip(plan, hs)])
-            xs = [x + m for x, m in zip(new_xs, mlp)]
+            if kind == "full_attention":
+
+                def mixer(sh, st, h, s0, i=i):
+                    return sh._attention(f"layers.{i}.", h, s0, st.k_cache[i], st.v_cache[i])
+
+            else:
+
+                def mixer(sh, st, h, s0, i=i):
+                    return sh._delta_net(i, h, st, s0, recurrent)
+
+            xs = self._decoder_layer(f"layers.{i}.", plan, state, xs, starts, mixer)
         return ops.rmsnorm(xs[0], self.shards[0].w["norm.weight"], eps)
+
+    def _decoder_layer(self, p: str, plan: tuple, state: SessionState, xs: list, starts: list, mixer) -> list:
+        """One decoder layer on every shard: x += allreduce(mixer(norm(x))); x += allreduce(mlp(norm(x)))."""
+        eps = self.cfg.rms_norm_eps
+        parts = []
+        for (sh, _, _), st, x, s0 in zip(plan, state.shards, xs, starts):
+            parts.append(mixer(sh, st, ops.rmsnorm(x, sh.w[p + "input_layernorm.weight"], eps), s0))
+        hs, new_xs = [], []
+        for (sh, _, _), x, m in zip(plan, xs, self.reduce(parts)):
+            h, x = ops.add_rmsnorm(m, x, sh.w[p + "post_attention_layernorm.weight"], eps)
+            hs.append(h)
+            new_xs.append(x)
+        mlp = self.reduce([sh._mlp(p, h) for (sh, _, _), h in zip(plan, hs)])
+        return [x + m for x, m in zip(new_xs, mlp)]
 
     # ---- the LM head --------------------------------------------------------------------------------
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
@@ -332,16 +333,9 @@ class TPModel:
         starts = [self._on(start, dev, local) for _, dev, local in plan]
         for j in range(self.cfg.mtp_num_hidden_layers):
             p = f"mtp.layers.{j}."
-            parts = []
-            for (sh, _, _), st, x, s0 in zip(plan, state.shards, xs, starts):
-                h = ops.rmsnorm(x, sh.w[p + "input_layernorm.weight"], eps)
-                parts.append(sh._attention(p, h, s0, st.mtp_k_cache[j], st.mtp_v_cache[j]))
-            mixed = self.reduce(parts)
-            hs, new_xs = [], []
-            for (sh, _, _), x, m in zip(plan, xs, mixed):
-                h, x = ops.add_rmsnorm(m, x, sh.w[p + "post_attention_layernorm.weight"], eps)
-                hs.append(h)
-                new_xs.append(x)
-            mlp = self.reduce([sh._mlp(p, h) for (sh, _, _), h in zip(plan, hs)])
-            xs = [x + m for x, m in zip(new_xs, mlp)]
+
+            def mixer(sh, st, h, s0, p=p, j=j):
+                return sh._attention(p, h, s0, st.mtp_k_cache[j], st.mtp_v_cache[j])
+
+            xs = self._decoder_layer(p, plan, state, xs, starts, mixer)
         return ops.rmsnorm(xs[0], w["mtp.norm.weight"], eps)
