@@ -147,7 +147,8 @@ def load_weights(
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            # Straight to the requested device: safetensors copies each tensor there as it reads it.
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name, canon in names:
                     tensor = f.get_tensor(name)
                     weights[canon] = _place(tensor, canon, path, device, dtype)
