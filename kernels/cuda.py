@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import reference
+from .ops import NAMES as OP_NAMES
 from .reference import Start
 
 # The chunked (GEMM) form of the delta rule is used only for prefill and stays PyTorch.
@@ -41,21 +42,8 @@ except Exception as _e:  # noqa: BLE001 - any import failure means "not availabl
         else f"CuPy failed to import ({type(_e).__name__}: {_e})"
     )
 
-__all__ = [
-    "available",
-    "warm_up",
-    "rmsnorm",
-    "add_rmsnorm",
-    "gated_rmsnorm",
-    "rope_partial",
-    "kv_write",
-    "attention_cached",
-    "conv_update",
-    "gated_delta_rule",
-    "chunk_gated_delta_rule",
-    "argmax_prob",
-    "greedy_accept",
-]
+# One function per op of the dispatcher (kernels/ops.py lists them), plus the module's own two.
+__all__ = ["available", "warm_up", *OP_NAMES]
 
 _SRC_PATH = Path(__file__).resolve().parent / "cuda_src" / "decode_kernels.cu"
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
