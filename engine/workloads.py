@@ -25,10 +25,11 @@ class Workload:
         if not template:
             return self.prompt
         try:
-            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             return self.prompt
-        env = jinja2.Environment()
+        # As transformers renders chat templates: sandboxed, trim_blocks and lstrip_blocks on.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         messages = [{"role": "user", "content": self.chat}]
         return env.from_string(template).render(messages=messages, add_generation_prompt=True)
 
