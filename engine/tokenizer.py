@@ -26,6 +26,9 @@ class Tokenizer:
                 self.chat_template = json.loads(cfg_path.read_text(encoding="utf-8")).get("chat_template")
             except (json.JSONDecodeError, UnicodeDecodeError):
                 self.chat_template = None
+        jinja = model_dir / "chat_template.jinja"  # where newer checkpoints keep it
+        if self.chat_template is None and jinja.is_file():
+            self.chat_template = jinja.read_text(encoding="utf-8")
         gen = model_dir / "generation_config.json"
         ids = list(eos_ids)
         if gen.is_file():
