@@ -136,12 +136,18 @@ def _stage(state: SessionState, values: list[int]) -> None:
     state.stage_dev[:k].copy_(host[:k], non_blocking=True)
 
 
-def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub: int) -> None:
-    """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
+def _catch_up(model: Model, state: SessionState, width: int) -> torch.Tensor:
+    """The MTP head over its pending rows (mtp_start_buf ..), the last being draft step 1: returns that
+    row's output y [1, H], the input of the next step and of the pick."""
     rows = state.mtp_start_buf + torch.arange(width, device=model.device)
     y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
-    y = y[-1:]
-    for s in range(depth):  # noqa: B007
+    return y[-1:]
+
+
+def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub: int) -> None:
+    """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
+    y = _catch_up(model, state, width)
+    for s in range(depth):
         tok, prob = model.pick(y, sub)
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
@@ -151,9 +157,7 @@ def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub:
 
 def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min: float) -> int:
     """The "before": one submission per step, the full vocabulary row copied to the host, picked there."""
-    rows = state.mtp_start_buf + torch.arange(width, device=model.device)
-    y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
-    y = y[-1:]
+    y = _catch_up(model, state, width)
     n = 0
     for s in range(depth):
         row = model.lm_head(y).float().cpu()[0]
