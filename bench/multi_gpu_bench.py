@@ -28,14 +28,7 @@ from engine import Engine, EngineSettings, bundled_model_dir  # noqa: E402
 from engine.workloads import load_workloads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import IdsOnly  # noqa: E402
-
-LINES: list[str] = []
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
+from gpu_bench import LINES, IdsOnly, say  # noqa: E402  (one printer for both benches)
 
 
 def tps(eng: Engine, settings: EngineSettings, n: int) -> tuple[float, int]:
