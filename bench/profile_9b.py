@@ -1,0 +1,148 @@
+"""Where a 9B-shape decode token's time goes: GEMMs vs everything else, and how fast each GEMM reads.
+
+    python bench/profile_9b.py [--rounds 20] [--blas cublas,cublaslt]
+
+1. Per weight shape of the 9B-like model: F.linear of one token ([1, K] x [N, K]^T) replayed from a CUDA
+   graph, its read bandwidth against the device copy bandwidth, for each BLAS backend torch offers.
+2. torch.profiler over `rounds` target-only decode rounds of the random 9B-shape engine: GPU time per token
+   grouped by kernel, GEMM total vs the rest, and the kernel count per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench import copy_bandwidth, random_9b_engine  # noqa: E402
+
+from engine import EngineSettings  # noqa: E402
+
+SHAPES = {  # name: (N, K, count per token)
+    "full qkv_packed": (16 * 512 + 2 * 4 * 256, 4096, 8),
+    "full o_proj": (4096, 16 * 256, 8),
+    "linear in_proj_packed": (2 * 16 * 128 + 32 * 128 + 32 * 128 + 64, 4096, 24),
+    "linear out_proj": (4096, 32 * 128, 24),
+    "mlp gate_up_packed": (2 * 12288, 4096, 32),
+    "mlp down_proj": (4096, 12288, 32),
+    "lm_head": (32768, 4096, 1),
+}
+
+
+def graph_time(fn, calls: int = 20, reps: int = 5) -> float:
+    """Seconds per call, from a CUDA graph of `calls` back-to-back calls (median of reps)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def gemv_table(bw: float, backends: list[str]) -> None:
+    print(f"{'weight':<24} {'N x K':>13} {'x/tok':>5} " + " ".join(f"{b + ' us':>12} {'%bw':>5}" for b in backends))
+    totals = dict.fromkeys(backends, 0.0)
+    total_bytes = 0
+    for name, (n, k, count) in SHAPES.items():
+        # Distinct weights per call, as in the model (no L2 reuse between calls).
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = n * k * 2
+        total_bytes += nbytes * count
+        cells = []
+        for b in backends:
+            torch.backends.cuda.preferred_blas_library(b)
+            i = [0]
+
+            def call(ws=ws, x=x, i=i):
+                F.linear(x, ws[i[0] % 4])
+                i[0] += 1
+
+            t = graph_time(call)
+            totals[b] += t * count
+            cells.append(f"{t * 1e6:>12.1f} {100 * nbytes / t / bw:>4.0f}%")
+        print(f"{name:<24} {f'{n}x{k}':>13} {count:>5} " + " ".join(cells))
+        del ws
+    torch.backends.cuda.preferred_blas_library("cublas")
+    for b in backends:
+        print(
+            f"all GEMMs of a token, {b}: {totals[b] * 1e3:.3f} ms = {100 * total_bytes / totals[b] / bw:.0f}% of copy bw"
+            f" (bound {bw / total_bytes:.0f} t/s if nothing else ran)"
+        )
+    print()
+
+
+def profile_rounds(rounds: int) -> None:
+    eng = random_9b_engine()
+    prompt = list(range(100, 164))
+    sess = eng.new_session()
+    s = EngineSettings(speculative=False, plan_pool=8)
+    eng.generate(prompt, rounds + 4, s, sess)
+    sess.reset()
+    stream = eng.stream(prompt, rounds + 1, s, sess)
+    next(stream)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        n = sum(1 for _ in stream)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        row = by_name[e.name]
+        row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        row[1] += 1
+    total = sum(v[0] for v in by_name.values()) / n
+    gemm = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
+    count = sum(v[1] for v in by_name.values()) / n
+    print(
+        f"== 9B-shape target-only: {n} tokens; GPU busy {total / 1e3:.3f} ms/token; GEMM {gemm / 1e3:.3f} ms; "
+        f"other {(total - gemm) / 1e3:.3f} ms; {count:.0f} kernels/token =="
+    )
+    print(f"{'us/token':>9} {'calls/tok':>9}  kernel")
+    for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:28]:
+        print(f"{t / n:>9.1f} {c / n:>9.1f}  {name[:110]}")
+    print()
+
+
+def _is_gemm(name: str) -> bool:
+    low = name.lower()
+    return any(s in low for s in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--blas", default="cublas,cublaslt")
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    gemv_table(bw, a.blas.split(","))
+    profile_rounds(a.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
