@@ -32,7 +32,6 @@ class Model:
             cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=self.device) / rot)
         )
         self.scale = cfg.head_dim**-0.5
-        self.arange = torch.arange(64, device=self.device)  # row offsets of a batch (one kernel, not two)
         tied = cfg.tie_word_embeddings
         self.parameter_count = sum(t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight"))
         self.device_names = [str(self.device)]
@@ -62,8 +61,7 @@ class Model:
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        gate, up = F.linear(x, w[p + "mlp.gate_up_packed"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        return F.linear(ops.silu_mul(F.linear(x, w[p + "mlp.gate_up_packed"])), w[p + "mlp.down_proj.weight"])
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -76,15 +74,21 @@ class Model:
         qg = qg.reshape(t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
-        q = ops.rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = ops.rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        positions = (self.arange[:t] if t <= 64 else torch.arange(t, device=x.device)) + start
-        q = ops.rope_partial(q, positions, self.inv_freq)
-        k = ops.rope_partial(k, positions, self.inv_freq)
-        ops.kv_write(k_cache, v_cache, k, v, start)
-        out = ops.attention_cached(q, k_cache, v_cache, start, self.scale)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return F.linear(out, w[p + "self_attn.o_proj.weight"])
+        # q/k norms, RoPE and the cache write in one op; the output gate is applied by the attention op.
+        q = ops.attn_prep(
+            q,
+            k,
+            v,
+            w[p + "self_attn.q_norm.weight"],
+            w[p + "self_attn.k_norm.weight"],
+            cfg.rms_norm_eps,
+            self.inv_freq,
+            k_cache,
+            v_cache,
+            start,
+        )
+        out = ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate)
+        return F.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
 
     def _delta_net(
         self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
@@ -96,11 +100,10 @@ class Model:
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z, b, a = F.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
-        qkv = ops.conv_update(qkv.contiguous(), state.conv_planes[i], w[p + "conv1d.weight"], start)
+        qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        beta = torch.sigmoid(b)
-        g = w[p + "neg_exp_A"] * F.softplus(a.float() + w[p + "dt_bias"])
+        g, beta = ops.gdn_gates(a, b, w[p + "neg_exp_A"], w[p + "dt_bias"])
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
         o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)

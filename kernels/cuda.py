@@ -411,8 +411,15 @@ def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
 
 
 def attention_cached(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: Start, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: Start,
+    scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
+        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
     if (
         not _cuda_ok(q, k_cache, v_cache)
         or q.dtype not in _KIND
@@ -423,11 +430,11 @@ def attention_cached(
         or q.shape[2] != k_cache.shape[2]
         or q.shape[1] % k_cache.shape[1] != 0
     ):
-        return reference.attention_cached(q, k_cache, v_cache, start, scale)
+        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
     t, hq, d = q.shape
     if t > _ATT_MAX_KERNEL_ROWS and not (isinstance(start, torch.Tensor) and start.is_cuda):
         # prefill-sized batches with a host start: the reference's GEMMs are faster than per-row decoding
-        return reference.attention_cached(q, k_cache, v_cache, start, scale)
+        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
     hkv = k_cache.shape[1]
     max_ctx = k_cache.shape[0]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -454,6 +461,10 @@ def attention_cached(
         pa, pm = _p(ws_acc), _p(ws_ml)
     else:
         pa = pm = _NULL
+    if gate is not None and _ATT_IMPL == "tile":
+        gargs = (_p(gate), np.int64(gate.stride(0)), np.int64(gate.stride(1)))
+    else:
+        gargs = (_NULL, np.int64(0), np.int64(0))
     head = (_p(qc), np.int64(qc.stride(0)), np.int64(qc.stride(1)), _p(k_cache), _p(v_cache), sp, sv)
     if _ATT_IMPL == "tile":
         args = head + (
@@ -467,6 +478,7 @@ def attention_cached(
             pa,
             pm,
             _p(out),
+            *gargs,
         )
     else:
         args = head + (np.int32(hq), np.int32(hkv), np.int32(d), np.int64(max_ctx), np.float32(scale), pa, pm, _p(out))
@@ -476,8 +488,156 @@ def attention_cached(
             name, threads = "attn_combine_par", max(32, -(-max(d, splits) // 32) * 32)
         else:
             name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
-        _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d)))
+        _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d), *gargs))
+    if gate is not None and _ATT_IMPL != "tile":  # the cross-check form gates in PyTorch
+        out = out * torch.sigmoid(gate)
     return out
+
+
+def attn_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    if (
+        not _cuda_ok(q, k, v, q_weight, k_weight, k_cache, v_cache)
+        or q.dtype not in _KIND
+        or not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or q.dim() != 3
+        or k.shape != v.shape
+        or k.dim() != 3
+        or k.shape[1:] != k_cache.shape[1:]
+        or k_cache.shape != v_cache.shape
+        or q.shape[2] != k.shape[2]
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] > 8 * _PREP_MAX_THREADS
+        or q_weight.numel() != q.shape[2]
+        or k_weight.numel() != k.shape[2]
+        or 2 * inv_freq.numel() > q.shape[2]
+        or min(q.stride(2), k.stride(2), v.stride(2)) != 1
+    ):
+        return reference.attn_prep(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    wq, kq = _aux(q_weight, q.dtype)
+    wk, kk = _aux(k_weight, q.dtype)
+    if kq != kk:
+        wq, wk, kq = q_weight.float().contiguous(), k_weight.float().contiguous(), "f"
+    inv = inv_freq.reshape(-1)
+    if inv.device != q.device or inv.dtype != torch.float32:
+        inv = inv.to(device=q.device, dtype=torch.float32)
+    inv = inv.contiguous()
+    sp, sv = _start_args(start, q.device)
+    _launch(
+        f"attn_prep_w{kq}",
+        q.dtype,
+        q.device,
+        (hq + hkv, t),
+        (_norm_threads(d),),
+        (
+            _p(q),
+            np.int64(q.stride(0)),
+            np.int64(q.stride(1)),
+            _p(k),
+            np.int64(k.stride(0)),
+            np.int64(k.stride(1)),
+            _p(v),
+            np.int64(v.stride(0)),
+            np.int64(v.stride(1)),
+            _p(wq),
+            _p(wk),
+            _p(inv),
+            _p(out),
+            _p(k_cache),
+            _p(v_cache),
+            sp,
+            sv,
+            np.int32(hq),
+            np.int32(hkv),
+            np.int32(d),
+            np.int32(inv.numel()),
+            np.int64(k_cache.shape[0]),
+            np.float32(eps),
+        ),
+    )
+    return out
+
+
+_PREP_MAX_THREADS = 128  # attn_prep rows: D <= 8 * 128 = 1024 (the kernel's shared row)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() == 0 or x.shape[-1] % 2:
+        return reference.silu_mul(x)
+    two_i = x.shape[-1]
+    i = two_i // 2
+    x2 = _rows(x, two_i)
+    y = torch.empty((*x.shape[:-1], i), dtype=x.dtype, device=x.device)
+    n = x2.shape[0] * i
+    if n == 0:
+        return y
+    _launch(
+        "silu_mul",
+        x.dtype,
+        x.device,
+        ((n + 255) // 256,),
+        (256,),
+        (_p(x2), np.int64(x2.stride(0)), _p(y), np.int32(x2.shape[0]), np.int32(i)),
+    )
+    return y
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, neg_exp_a: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        not _cuda_ok(a, b, neg_exp_a, dt_bias)
+        or a.dtype not in _KIND
+        or b.dtype != a.dtype
+        or a.dim() != 2
+        or a.shape != b.shape
+        or neg_exp_a.numel() != a.shape[1]
+        or dt_bias.numel() != a.shape[1]
+        or neg_exp_a.dtype != torch.float32
+    ):
+        return reference.gdn_gates(a, b, neg_exp_a, dt_bias)
+    t, h = a.shape
+    a2, b2 = _rows(a, h), _rows(b, h)
+    g = torch.empty((t, h), dtype=torch.float32, device=a.device)
+    beta = torch.empty((t, h), dtype=b.dtype, device=a.device)
+    if t * h == 0:
+        return g, beta
+    _launch(
+        "gdn_gates",
+        a.dtype,
+        a.device,
+        ((t * h + 127) // 128,),
+        (128,),
+        (
+            _p(a2),
+            np.int64(a2.stride(0)),
+            _p(b2),
+            np.int64(b2.stride(0)),
+            _p(neg_exp_a.contiguous()),
+            _p(dt_bias.float().contiguous()),
+            _p(g),
+            _p(beta),
+            np.int32(t),
+            np.int32(h),
+        ),
+    )
+    return g, beta
 
 
 def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
@@ -678,6 +838,10 @@ _KERNELS_PER_DTYPE = (
         "argmax_partial",
         "argmax_combine",
         "greedy_accept",
+        "attn_prep_ws",
+        "attn_prep_wf",
+        "silu_mul",
+        "gdn_gates",
     ]
     + [f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"]
     + [f"attn_{kind}_e{e}" for kind in ("split", "tile") for e in (1, 2, 4, 8)]
@@ -729,6 +893,11 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         kv_write(kc, vc, q[:, :1], q[:, :1], start)
         attention_cached(q, kc, vc, start, d**-0.5)
         attention_cached(q, kc, vc, 0, d**-0.5)
+        attention_cached(q, kc, vc, start, d**-0.5, q)
+        for wn in (z(d, **kw), z(d, device=device)):
+            attn_prep(q, q[:, :1], q[:, :1], wn, wn, 1e-6, torch.ones(d // 4, device=device), kc, vc, start)
+    silu_mul(x)
+    gdn_gates(x[:, :4], x[:, 4:8], z(4, device=device), z(4, device=device))
     for k in range(2, 9):
         ring = z(4, 8, k - 1, **kw)
         cx = torch.randn(2, 8, **kw)

@@ -12,6 +12,9 @@ NAMES = (
     "gated_rmsnorm",
     "rope_partial",
     "kv_write",
+    "attn_prep",
+    "silu_mul",
+    "gdn_gates",
     "attention_cached",
     "conv_update",
     "gated_delta_rule",
@@ -25,6 +28,9 @@ add_rmsnorm = reference.add_rmsnorm
 gated_rmsnorm = reference.gated_rmsnorm
 rope_partial = reference.rope_partial
 kv_write = reference.kv_write
+attn_prep = reference.attn_prep
+silu_mul = reference.silu_mul
+gdn_gates = reference.gdn_gates
 attention_cached = reference.attention_cached
 conv_update = reference.conv_update
 gated_delta_rule = reference.gated_delta_rule

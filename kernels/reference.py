@@ -71,11 +71,17 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention_cached(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: Start, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: Start,
+    scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of T queries (positions start..start+T-1) over the static KV cache.
 
     The T new keys must already be in the cache. q [T, Hq, D], caches [max_ctx, Hkv, D] -> [T, Hq, D].
+    With `gate` ([T, Hq, D], any strides) the output is gated: out * sigmoid(gate), in q's dtype.
     """
     start = _host(start)
     t, hq, d = q.shape
@@ -92,7 +98,46 @@ def attention_cached(
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.float())  # [Hq, T, D]
-    return out.transpose(0, 1).to(q.dtype)
+    out = out.transpose(0, 1).to(q.dtype)
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def attn_prep(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    """Attention inputs of T tokens at positions start..: q and k zero-centred-RMS-normed per head and
+    partially RoPE'd; k and v written to the caches (kv_write). q [T, Hq, D], k, v [T, Hkv, D] (any row and
+    head strides). Returns the prepared q [T, Hq, D]."""
+    t = q.shape[0]
+    s = _host(start)
+    positions = torch.arange(s, s + t, device=q.device)
+    q = rope_partial(rmsnorm(q, q_weight, eps), positions, inv_freq)
+    k = rope_partial(rmsnorm(k, k_weight, eps), positions, inv_freq)
+    kv_write(k_cache, v_cache, k, v, s)
+    return q
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation on a packed gate|up row: silu(x[..., :I]) * x[..., I:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, neg_exp_a: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta-net gates of T tokens: g = -exp(A_log) * softplus(a + dt_bias) (fp32 log-decay) and
+    beta = sigmoid(b) (b's dtype). a, b [T, Hv]; neg_exp_a = -exp(A_log) (fp32), dt_bias [Hv]."""
+    return neg_exp_a * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
 
 
 def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:

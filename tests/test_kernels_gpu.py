@@ -223,6 +223,80 @@ def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start)
         close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5), "attention long")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ATT_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (16, 4, 256)])
+@pytest.mark.parametrize("t,start,tensor_start", [(1, 0, True), (4, 37, False), (9, 1000, True), (1, 20000, True)])
+def test_attention_output_gate(kc, monkeypatch, impl, dtype, hq, hkv, d, t, start, tensor_start):
+    """The gated output (out * sigmoid(gate)) from a strided gate view, as the attention layer passes it;
+    start 20000 makes the split + combine path write it."""
+    monkeypatch.setattr(kc, "_ATT_IMPL", impl)
+    torch.manual_seed(hq + d + t + start)
+    max_ctx = 32768
+    kcache, vcache = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
+    qg = rnd(t, hq, 2 * d, dtype=dtype, scale=2.0)
+    q, gate = qg[..., :d], qg[..., d:]
+    out = kc.attention_cached(q, kcache, vcache, as_start(start, tensor_start), d**-0.5, gate)
+    close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5, gate), "gated attention")
+
+
+# ---- fused attention inputs, MLP activation, delta-net gates ------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,rot", [(6, 2, 64, 16), (16, 4, 256, 64), (4, 1, 96, 96), (2, 2, 1024, 64)])
+@pytest.mark.parametrize("t,start,tensor_start", [(1, 0, False), (1, 41, True), (4, 37, True), (9, 2039, False)])
+@pytest.mark.parametrize("wdtype", ["same", "fp32"])
+def test_attn_prep(kc, dtype, hq, hkv, d, rot, t, start, tensor_start, wdtype):
+    """q/k norm + RoPE + cache write in one kernel equals rope_partial(rmsnorm(.)) and kv_write, on the
+    strided views of a packed q|gate, k, v projection (the attention layer's layout)."""
+    torch.manual_seed(hq + d + t + start)
+    max_ctx = 2048
+    packed = rnd(t, hq * 2 * d + 2 * hkv * d, dtype=dtype, scale=2.0)
+    qg, k, v = packed.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+    q = qg.reshape(t, hq, 2 * d)[..., :d]
+    k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+    wt = dtype if wdtype == "same" else torch.float32
+    wq, wk = rnd(d, dtype=wt, scale=0.1), rnd(d, dtype=wt, scale=0.1)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=CUDA) / rot))
+    kc0, vc0 = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
+    a, b = kc0.clone(), vc0.clone()
+    out = kc.attn_prep(q, k, v, wq, wk, 1e-6, inv_freq, a, b, as_start(start, tensor_start))
+    ra, rb = kc0.clone(), vc0.clone()
+    expect = ref.attn_prep(q, k, v, wq, wk, 1e-6, inv_freq, ra, rb, start)
+    close(out, expect, "attn_prep q")
+    close(a[start : start + t], ra[start : start + t], "attn_prep k cache rows")
+    assert torch.equal(a[:start], kc0[:start]) and torch.equal(a[start + t :], kc0[start + t :])
+    assert torch.equal(b, rb)  # v is a copy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,i", [(1, 12288), (9, 1024), (4, 37)])
+def test_silu_mul(kc, dtype, t, i):
+    torch.manual_seed(t + i)
+    x = rnd(t, 2 * i, dtype=dtype, scale=3.0)
+    close(kc.silu_mul(x), ref.silu_mul(x), "silu_mul")
+    xs = rnd(t, 2 * i + 6, dtype=dtype)[:, 3 : 3 + 2 * i]  # strided rows
+    close(kc.silu_mul(xs), ref.silu_mul(xs), "silu_mul strided")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 32), (9, 4), (17, 48)])
+def test_gdn_gates(kc, dtype, t, h):
+    """g and beta from strided a/b views (the packed delta-net projection), over the softplus threshold."""
+    torch.manual_seed(t * h)
+    packed = rnd(t, 64 + 2 * h, dtype=dtype, scale=8.0)  # |a + dt_bias| reaches past 20
+    b, a = packed[:, 64 : 64 + h], packed[:, 64 + h :]
+    neg_exp_a = -torch.rand(h, device=CUDA).mul(8).add(0.5)
+    for dt_bias in (rnd(h, scale=4.0), rnd(h, dtype=dtype, scale=4.0)):
+        g, beta = kc.gdn_gates(a, b, neg_exp_a, dt_bias)
+        rg, rbeta = ref.gdn_gates(a, b, neg_exp_a, dt_bias)
+        close(g, rg, "gdn g")
+        close(beta, rbeta, "gdn beta")
+
+
 # ---- conv ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -401,6 +475,7 @@ class _Step:
         self.out = torch.zeros(t + 2, dtype=torch.int64, device=CUDA)
         self.start = torch.zeros(1, dtype=torch.int64, device=CUDA)
         self.scale = d**-0.5
+        self.wn = torch.zeros(d, device=CUDA, dtype=dtype)
 
     def reset(self, s: int) -> None:
         self.kcache.copy_(self.kc0)
@@ -420,7 +495,11 @@ class _Step:
         qr = ops_.rope_partial(self.q, pos, self.inv_freq)
         kr = ops_.rope_partial(self.k, pos, self.inv_freq)
         ops_.kv_write(self.kcache, self.vcache, kr, self.v, start)
-        att = ops_.attention_cached(qr, self.kcache, self.vcache, start, self.scale)
+        # the fused form rewrites those cache rows from the same k and v (zero-centred weight 0: plain norm)
+        qp = ops_.attn_prep(
+            self.q, self.k, self.v, self.wn, self.wn, 1e-6, self.inv_freq, self.kcache, self.vcache, start
+        )
+        att = ops_.attention_cached(qr, self.kcache, self.vcache, start, self.scale, qp)
         conv = ops_.conv_update(self.x, self.ring, self.w, start)
         o = ops_.gated_delta_rule(self.dq, self.dk_, self.dv_, self.g, self.beta, self.state, start)
         tok, prob = ops_.argmax_prob(self.logits, 0)
@@ -487,6 +566,8 @@ def test_no_host_sync_with_device_start(kc, dtype):
         kc.rmsnorm(x, w, 1e-6)
         kc.add_rmsnorm(x, x, w, 1e-6)
         kc.gated_rmsnorm(x, x, w, 1e-6)
+        kc.silu_mul(x)
+        kc.gdn_gates(x[:, :8], x[:, 8:16], w[:8].float(), w[:8].float())
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

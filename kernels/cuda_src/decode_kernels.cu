@@ -91,11 +91,25 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
+// The attention output, optionally gated: (out.to(dtype) * sigmoid(gate).to(dtype)).to(dtype) when gate is
+// non-null (element goff of it), else out.to(dtype).
+__device__ __forceinline__ scalar_t gated_out(float o, const scalar_t* __restrict__ gate, long long goff) {
+    if (gate == nullptr) return from_f<scalar_t>(o);
+    const float g = rnd<scalar_t>(1.0f / (1.0f + expf(-to_f(gate[goff]))));
+    return from_f<scalar_t>(rnd<scalar_t>(o) * g);
+}
+
 // ------------------------------------------------------------------------------------------------
 // rmsnorm / add_rmsnorm / gated_rmsnorm: one block per row of d elements.
 // x rows may be strided (row stride xs, elements contiguous); outputs are contiguous [rows, d].
 // W is the weight's type: scalar_t (same dtype as x) or float (anything else, upcast on the host).
 // ------------------------------------------------------------------------------------------------
+
+// Rows of up to NORM_REG * blockDim.x elements (every launch of kernels/cuda.py: d <= 8 * 1024) keep their
+// elements in registers: all loads of a thread are issued before the first use, so a row costs one memory
+// latency instead of one per element (a decode step has one row per block; latency is the whole cost).
+// Longer rows take the looped path. Both compute the same expressions.
+#define NORM_REG 8
 
 template <typename W>
 __device__ __forceinline__ void rmsnorm_impl(const scalar_t* __restrict__ x, long long xs, const W* __restrict__ w,
@@ -103,17 +117,38 @@ __device__ __forceinline__ void rmsnorm_impl(const scalar_t* __restrict__ x, lon
     __shared__ float sh[32];
     const long long row = blockIdx.x;
     const scalar_t* xr = x + row * xs;
+    scalar_t* yr = y + row * (long long)d;
+    const int nt = blockDim.x;
+    if (d <= NORM_REG * nt) {
+        float v[NORM_REG], wv[NORM_REG];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            v[k] = i < d ? to_f(xr[i]) : 0.f;
+            wv[k] = i < d ? to_f(w[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) ss += v[k] * v[k];
+        ss = block_sum(ss, sh);
+        const float rs = rsqrtf(ss / (float)d + eps);  // rsqrt(mean(x^2) + eps)
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));  // (y * (1 + w.float())).to(dtype)
+        }
+        return;
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float v = to_f(xr[i]);
         ss += v * v;
     }
     ss = block_sum(ss, sh);
-    const float rs = rsqrtf(ss / (float)d + eps);  // rsqrt(mean(x^2) + eps)
-    scalar_t* yr = y + row * (long long)d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float rs = rsqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float v = to_f(xr[i]) * rs;
-        yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));  // (y * (1 + w.float())).to(dtype)
+        yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));
     }
 }
 
@@ -136,16 +171,43 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
     const scalar_t* xr = x + row * xs;
     const scalar_t* rr = r + row * rs_;
     scalar_t* sr = s + row * (long long)d;
+    scalar_t* yr = y + row * (long long)d;
+    const int nt = blockDim.x;
+    if (d <= NORM_REG * nt) {
+        float v[NORM_REG], wv[NORM_REG];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            const float a = i < d ? to_f(xr[i]) : 0.f;
+            const float b = i < d ? to_f(rr[i]) : 0.f;
+            v[k] = rnd<scalar_t>(a + b);  // s = x + residual (in dtype)
+            wv[k] = i < d ? to_f(w[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            if (i < d) sr[i] = from_f<scalar_t>(v[k]);
+            ss += v[k] * v[k];
+        }
+        ss = block_sum(ss, sh);
+        const float rs = rsqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));
+        }
+        return;
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i]));  // s = x + residual (in dtype)
         sr[i] = from_f<scalar_t>(v);
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float rs = rsqrtf(ss / (float)d + eps);
-    scalar_t* yr = y + row * (long long)d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i])) * rs;
         yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));
     }
@@ -171,15 +233,41 @@ __device__ __forceinline__ void gated_rmsnorm_impl(const scalar_t* __restrict__ 
     const long long row = blockIdx.x;
     const scalar_t* xr = x + row * xs;
     const G* gr = gate + row * gs;
+    scalar_t* yr = y + row * (long long)d;
+    const int nt = blockDim.x;
+    if (d <= NORM_REG * nt) {
+        float v[NORM_REG], wv[NORM_REG], gv[NORM_REG];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            v[k] = i < d ? to_f(xr[i]) : 0.f;
+            wv[k] = i < d ? to_f(w[i]) : 0.f;
+            gv[k] = i < d ? to_f(gr[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) ss += v[k] * v[k];
+        ss = block_sum(ss, sh);
+        const float rs = rsqrtf(ss / (float)d + eps);
+#pragma unroll
+        for (int k = 0; k < NORM_REG; ++k) {
+            const int i = threadIdx.x + k * nt;
+            if (i < d) {
+                const float n = rnd<scalar_t>(v[k] * rs);  // y.to(x.dtype)
+                const float p = rnd<W>(wv[k] * n);         // weight * y
+                yr[i] = from_f<scalar_t>(p * silu_f(gv[k]));
+            }
+        }
+        return;
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float v = to_f(xr[i]);
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float rs = rsqrtf(ss / (float)d + eps);
-    scalar_t* yr = y + row * (long long)d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    for (int i = threadIdx.x; i < d; i += nt) {
         const float n = rnd<scalar_t>(to_f(xr[i]) * rs);  // y.to(x.dtype)
         const float p = rnd<W>(to_f(w[i]) * n);           // weight * y
         yr[i] = from_f<scalar_t>(p * silu_f(to_f(gr[i])));
@@ -395,7 +483,8 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
                                                const long long* start_ptr, long long start_val, int T, int Hq,
                                                int Hkv, int D, long long max_ctx, float scale, int vec_ok,
                                                float* __restrict__ ws_acc, float* __restrict__ ws_ml,
-                                               scalar_t* __restrict__ out) {
+                                               scalar_t* __restrict__ out, const scalar_t* __restrict__ gate,
+                                               long long gs0, long long gs1) {
     constexpr int DP = EPL * 32;
     constexpr int NW = ATT_WARPS;
     constexpr int KT = ATT_TILE_KT;
@@ -426,15 +515,26 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
     const scalar_t* vb = vc + (long long)kvh * D;
     const scalar_t zero = from_f<scalar_t>(0.f);
 
-    for (int i = threadIdx.x; i < RB * DP; i += blockDim.x) {
-        const int r = i / DP, d = i - r * DP;
-        float v = 0.f;
-        if (r < nrows && d < D) {
-            const int gr = row0 + r;
-            const int t = gr / rep, h = kvh * rep + gr % rep;
-            v = to_f(q[t * qs0 + h * qs1 + d]);
+    // Every load of a thread is issued before the first store (one memory latency, not one per element).
+    constexpr int QPT = (RB * DP + NW * 32 - 1) / (NW * 32);
+    {
+        float qv[QPT];
+#pragma unroll
+        for (int u = 0; u < QPT; ++u) {
+            const int i = threadIdx.x + u * NW * 32;
+            const int r = i / DP, d = i - r * DP;
+            qv[u] = 0.f;
+            if (i < RB * DP && r < nrows && d < D) {
+                const int gr = row0 + r;
+                const int t = gr / rep, h = kvh * rep + gr % rep;
+                qv[u] = to_f(q[t * qs0 + h * qs1 + d]);
+            }
         }
-        sQ[r][d] = from_f<scalar_t>(v);
+#pragma unroll
+        for (int u = 0; u < QPT; ++u) {
+            const int i = threadIdx.x + u * NW * 32;
+            if (i < RB * DP) sQ[i / DP][i % DP] = from_f<scalar_t>(qv[u]);
+        }
     }
     for (int i = threadIdx.x; i < KT * (DP + PADK - D); i += blockDim.x) {
         const int j = i / (DP + PADK - D);
@@ -465,19 +565,34 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
         const int kv = (int)ll_min(KT, e - j0);
         __syncthreads();  // the previous tile is consumed (first pass: sQ and the pads are written)
         if (vec_ok) {
+            // The tile's 16-byte chunks: all loads of a thread first, then the shared-memory stores.
             constexpr int VEC = 16 / (int)sizeof(scalar_t);
+            constexpr int KVPT = (KT * DP / VEC + NW * 32 - 1) / (NW * 32);
             const int cpr = D / VEC;
-            for (int c = threadIdx.x; c < kv * cpr; c += blockDim.x) {
-                const int jj = c / cpr, dd = (c - jj * cpr) * VEC;
-                const long long goff = (j0 + jj) * rstride + dd;
-                const uint4 kx = *reinterpret_cast<const uint4*>(kb + goff);
-                const uint4 vx = *reinterpret_cast<const uint4*>(vb + goff);
-                unsigned int* dk = reinterpret_cast<unsigned int*>(&sK[jj][dd]);
-                dk[0] = kx.x;
-                dk[1] = kx.y;
-                dk[2] = kx.z;
-                dk[3] = kx.w;
-                *reinterpret_cast<uint4*>(&sV[jj][dd]) = vx;
+            const int nch = kv * cpr;
+            uint4 kx[KVPT], vx[KVPT];
+#pragma unroll
+            for (int u = 0; u < KVPT; ++u) {
+                const int c = threadIdx.x + u * NW * 32;
+                if (c < nch) {
+                    const int jj = c / cpr, dd = (c - jj * cpr) * VEC;
+                    const long long goff = (j0 + jj) * rstride + dd;
+                    kx[u] = *reinterpret_cast<const uint4*>(kb + goff);
+                    vx[u] = *reinterpret_cast<const uint4*>(vb + goff);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < KVPT; ++u) {
+                const int c = threadIdx.x + u * NW * 32;
+                if (c < nch) {
+                    const int jj = c / cpr, dd = (c - jj * cpr) * VEC;
+                    unsigned int* dk = reinterpret_cast<unsigned int*>(&sK[jj][dd]);
+                    dk[0] = kx[u].x;
+                    dk[1] = kx[u].y;
+                    dk[2] = kx[u].z;
+                    dk[3] = kx[u].w;
+                    *reinterpret_cast<uint4*>(&sV[jj][dd]) = vx[u];
+                }
             }
         } else {
             for (int c = threadIdx.x; c < kv * D; c += blockDim.x) {
@@ -554,7 +669,7 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
 #pragma unroll
                 for (int i = 0; i < EPL; ++i) {
                     const int d = i * 32 + lane;
-                    if (d < D) out[orow * D + d] = from_f<scalar_t>(acc[r][i] * inv);
+                    if (d < D) out[orow * D + d] = gated_out(acc[r][i] * inv, gate, t * gs0 + h * gs1 + d);
                 }
             } else {
                 const long long prow = (long long)s * T * Hq + orow;
@@ -577,9 +692,9 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
         attn_tile_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,               \
                          const scalar_t* vc, const long long* start_ptr, long long start_val, int T, int Hq, \
                          int Hkv, int D, long long max_ctx, float scale, int vec_ok, float* ws_acc,          \
-                         float* ws_ml, scalar_t* out) {                                                     \
+                         float* ws_ml, scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) {  \
         attn_tile_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, T, Hq, Hkv, D, max_ctx, scale, vec_ok, \
-                            ws_acc, ws_ml, out);                                                            \
+                            ws_acc, ws_ml, out, gate, gs0, gs1);                                            \
     }
 ATTN_TILE(1)
 ATTN_TILE(2)
@@ -589,7 +704,8 @@ ATTN_TILE(8)
 #define ATT_MAX_SPLITS 128
 // Grid (Hq, T); merges the S partials of each (query row, head).
 extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                                        scalar_t* __restrict__ out, int S, int D) {
+                                        scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
+        long long gs0, long long gs1) {
     __shared__ float s_wt[ATT_MAX_SPLITS];
     __shared__ float s_L;
     const int h = blockIdx.x, t = blockIdx.y;
@@ -613,7 +729,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const 
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float a = 0.f;
         for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
-        out[base * D + d] = from_f<scalar_t>(a * inv);
+        out[base * D + d] = gated_out(a * inv, gate, t * gs0 + h * gs1 + d);
     }
 }
 
@@ -634,7 +750,8 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 }
 
 extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                                            scalar_t* __restrict__ out, int S, int D) {
+                                            scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
+        long long gs0, long long gs1) {
     __shared__ float s_wt[ATT_MAX_SPLITS];
     __shared__ float sh[32];
     const int h = blockIdx.x, t = blockIdx.y;
@@ -656,7 +773,7 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
         float a = 0.f;
 #pragma unroll 8
         for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
-        out[base * D + d] = from_f<scalar_t>(a * inv);
+        out[base * D + d] = gated_out(a * inv, gate, t * gs0 + h * gs1 + d);
     }
 }
 
@@ -861,6 +978,123 @@ GDR(16)
 GDR(32)
 GDR(64)
 GDR(128)
+
+// ------------------------------------------------------------------------------------------------
+// silu_mul: x [T, 2I] (row stride xs, gate = first I, up = last I) -> y [T, I] contiguous;
+// y = (silu(gate).to(dtype) * up).to(dtype). One thread per output element.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void silu_mul(const scalar_t* __restrict__ x, long long xs, scalar_t* __restrict__ y, int T,
+                                    int I) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)T * I) return;
+    const int t = (int)(idx / I), i = (int)(idx - (long long)t * I);
+    const scalar_t* xr = x + t * xs;
+    const float g = to_f(xr[i]), u = to_f(xr[I + i]);
+    y[idx] = from_f<scalar_t>(rnd<scalar_t>(silu_f(g)) * u);
+}
+
+// ------------------------------------------------------------------------------------------------
+// gdn_gates: the delta-net gates of T tokens x H value heads, one thread per (t, h):
+// beta = sigmoid(b) (in b's dtype); g = neg_exp_A * softplus(a.float() + dt_bias) (fp32, softplus
+// threshold 20 as in torch). a, b rows strided (as0, bs0), heads contiguous. dt_bias, neg_exp_A fp32.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void gdn_gates(const scalar_t* __restrict__ a, long long as0, const scalar_t* __restrict__ b,
+                                     long long bs0, const float* __restrict__ neg_exp_a,
+                                     const float* __restrict__ dt_bias, float* __restrict__ g,
+                                     scalar_t* __restrict__ beta, int T, int H) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= T * H) return;
+    const int t = idx / H, h = idx - t * H;
+    const float bv = to_f(b[t * bs0 + h]);
+    beta[idx] = from_f<scalar_t>(1.0f / (1.0f + expf(-bv)));
+    const float x = to_f(a[t * as0 + h]) + dt_bias[h];
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    g[idx] = neg_exp_a[h] * sp;
+}
+
+// ------------------------------------------------------------------------------------------------
+// attn_prep: the attention inputs of T tokens in one launch. Grid (Hq + Hkv, T), blockDim >= D / 8.
+// Block (h < Hq, t): q row -> rmsnorm(q_weight) -> partial RoPE at position start + t -> q_out [T, Hq, D].
+// Block (Hq + j, t): k row j -> rmsnorm(k_weight) -> RoPE -> k_cache[start + t, j]; v row j ->
+// v_cache[start + t, j]. Same roundings as rope_partial(rmsnorm(x)) and kv_write.
+// ------------------------------------------------------------------------------------------------
+#define PREP_MAX_D 1024
+template <typename W>
+__device__ __forceinline__ void attn_prep_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
+                                               const scalar_t* __restrict__ k, long long ks0, long long ks1,
+                                               const scalar_t* __restrict__ v, long long vs0, long long vs1,
+                                               const W* __restrict__ wq, const W* __restrict__ wk,
+                                               const float* __restrict__ inv_freq, scalar_t* __restrict__ q_out,
+                                               scalar_t* __restrict__ kc, scalar_t* __restrict__ vc,
+                                               const long long* start_ptr, long long start_val, int Hq, int Hkv,
+                                               int D, int half, long long max_ctx, float eps) {
+    __shared__ float sh[32];
+    __shared__ float sy[PREP_MAX_D];
+    const int hh = blockIdx.x, t = blockIdx.y;
+    const bool is_q = hh < Hq;
+    const int j = is_q ? hh : hh - Hq;
+    const scalar_t* xr = is_q ? q + t * qs0 + (long long)j * qs1 : k + t * ks0 + (long long)j * ks1;
+    const W* w = is_q ? wq : wk;
+    const long long start = read_start(start_ptr, start_val);
+    const long long pos = start + t;
+    const int nt = blockDim.x;
+    float xv[NORM_REG], wv[NORM_REG], vv[NORM_REG];
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < NORM_REG; ++u) {
+        const int i = threadIdx.x + u * nt;
+        xv[u] = i < D ? to_f(xr[i]) : 0.f;
+        wv[u] = i < D ? to_f(w[i]) : 0.f;
+        vv[u] = (!is_q && i < D) ? to_f(v[t * vs0 + (long long)j * vs1 + i]) : 0.f;
+        ss += xv[u] * xv[u];
+    }
+    ss = block_sum(ss, sh);
+    const float rs = rsqrtf(ss / (float)D + eps);
+#pragma unroll
+    for (int u = 0; u < NORM_REG; ++u) {
+        const int i = threadIdx.x + u * nt;
+        if (i < D) sy[i] = rnd<scalar_t>(xv[u] * rs * (1.0f + wv[u]));  // rmsnorm(x).to(dtype)
+    }
+    __syncthreads();
+    const bool in_ctx = pos >= 0 && pos < max_ctx;
+    scalar_t* dst = is_q ? q_out + ((long long)t * Hq + j) * D : kc + (pos * Hkv + j) * D;
+    scalar_t* vdst = vc + (pos * Hkv + j) * D;
+#pragma unroll
+    for (int u = 0; u < NORM_REG; ++u) {
+        const int i = threadIdx.x + u * nt;
+        if (i >= D) continue;
+        float o;
+        if (i < 2 * half) {
+            const int f_i = i < half ? i : i - half;
+            const float f = (float)pos * inv_freq[f_i];  // positions.float() * inv_freq
+            const float c = rnd<scalar_t>(cosf(f));
+            const float sn = rnd<scalar_t>(sinf(f));
+            const float rv = i < half ? -sy[i + half] : sy[i - half];  // rotate_half
+            o = rnd<scalar_t>(sy[i] * c) + rnd<scalar_t>(rv * sn);
+        } else {
+            o = sy[i];
+        }
+        if (is_q) {
+            dst[i] = from_f<scalar_t>(o);
+        } else if (in_ctx) {
+            dst[i] = from_f<scalar_t>(o);
+            vdst[i] = from_f<scalar_t>(vv[u]);
+        }
+    }
+}
+
+#define ATTN_PREP(NAME, WT)                                                                                   \
+    extern "C" __global__ void NAME(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k,       \
+                                    long long ks0, long long ks1, const scalar_t* v, long long vs0,           \
+                                    long long vs1, const WT* wq, const WT* wk, const float* inv_freq,         \
+                                    scalar_t* q_out, scalar_t* kc, scalar_t* vc, const long long* sp,         \
+                                    long long sv, int Hq, int Hkv, int D, int half, long long max_ctx,        \
+                                    float eps) {                                                              \
+        attn_prep_impl<WT>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, \
+                           Hkv, D, half, max_ctx, eps);                                                       \
+    }
+ATTN_PREP(attn_prep_ws, scalar_t)
+ATTN_PREP(attn_prep_wf, float)
 
 // ------------------------------------------------------------------------------------------------
 // argmax_prob: grid (P parts, T rows), 256 threads. Each thread keeps (max, lowest index of it,
