@@ -94,6 +94,81 @@ def gemv_table(bw: float, backends: list[str]) -> None:
     print()
 
 
+GEMV_VARIANTS = ["linear", "mv", "W@x", "x@Wt", "linear noRPR", "linear M=2"]
+
+
+def _variant_cells(n: int, k: int, bw: float) -> list[str]:
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    wts = [w.t().contiguous() for w in ws]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
+    xc, xv = x.reshape(k, 1), x.reshape(k)
+    calls = {
+        "linear": lambda i: F.linear(x, ws[i]),
+        "mv": lambda i: torch.mv(ws[i], xv),
+        "W@x": lambda i: torch.matmul(ws[i], xc),
+        "x@Wt": lambda i: torch.matmul(x, wts[i]),
+        "linear noRPR": lambda i: F.linear(x, ws[i]),
+        "linear M=2": lambda i: F.linear(x2, ws[i]),
+    }
+    cells = []
+    for name in GEMV_VARIANTS:
+        fn = calls[name]
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = name != "linear noRPR"
+        i = [0]
+
+        def call(fn=fn, i=i):
+            fn(i[0] % 4)
+            i[0] += 1
+
+        t = graph_time(call)
+        cells.append(f"{t * 1e6:>7.1f} {100 * n * k * 2 / t / bw:>4.0f}%")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    return cells
+
+
+def gemv_variants(bw: float) -> None:
+    """The same one-token product written the ways PyTorch offers, per weight shape (graph-timed)."""
+    shapes = {k: v for k, v in SHAPES.items() if k in ("full o_proj", "linear in_proj_packed", "mlp down_proj")}
+    print(f"{'weight':<24} " + " ".join(f"{n:>13}" for n in GEMV_VARIANTS) + "   (us, %bw)")
+    for label, (n, k, _) in shapes.items():
+        print(f"{label:<24} " + " ".join(_variant_cells(n, k, bw)))
+    print()
+
+
+ATT_SHAPES = {"9b": (16, 4, 256), "bundled": (6, 2, 64)}
+
+
+def _attention_us(kc, impl: str, shape: str, t: int, ctx: int) -> float:
+    hq, hkv, d = ATT_SHAPES[shape]
+    kcache = torch.randn(2048, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vcache = torch.randn_like(kcache)
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    start = torch.tensor([ctx - t], device="cuda")
+    kc._ATT_IMPL = impl
+    try:
+        return graph_time(lambda: kc.attention_cached(q, kcache, vcache, start, d**-0.5)) * 1e6
+    finally:
+        kc._ATT_IMPL = "auto"
+
+
+def attention_times() -> None:
+    """attention_cached per call (us) for T query tokens at a few context lengths: the tiled kernel vs the
+    per-row one, device start over a 2048-row cache (what a captured plan runs)."""
+    import kernels.cuda as kc
+
+    if not kc.available()[0]:
+        return
+    kc.warm_up("cuda", torch.bfloat16)
+    print(f"{'shape':<8} {'T':>3} {'context':>8} {'tile us':>8} {'warp us':>8}")
+    for shape in ATT_SHAPES:
+        for t in (1, 4, 6, 9):
+            for ctx in (96, 512, 2000):
+                tile, warp = (_attention_us(kc, impl, shape, t, ctx) for impl in ("tile", "warp"))
+                print(f"{shape:<8} {t:>3} {ctx:>8} {tile:>8.1f} {warp:>8.1f}")
+    print()
+
+
 def profile_rounds(rounds: int) -> None:
     eng = random_9b_engine()
     prompt = list(range(100, 164))
@@ -136,10 +211,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--blas", default="cublas,cublaslt")
+    ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="skip the GEMM tables")
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    gemv_table(bw, a.blas.split(","))
+    if a.gemv:
+        gemv_table(bw, a.blas.split(","))
+        gemv_variants(bw)
+    attention_times()
     profile_rounds(a.rounds)
     return 0
 

@@ -395,9 +395,11 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 _ATT_MAX_SPLITS = 128
 _ATT_MAX_KERNEL_ROWS = 64
-# "tile": K/V tiles in shared memory shared by all query rows of a kv head (default);
-# "warp": one block per (query row, head), a warp per key (simpler; kept as a cross-check)
-_ATT_IMPL = "tile"
+# "tile": K/V tiles in shared memory shared by all query rows of a kv head;
+# "warp": one block per (query row, head) and key split, a warp per key;
+# "auto" (default): "warp" for a single query token (a target-only decode step: no rows to share tiles
+# between), "tile" for more (bench/profile_9b.py times both per shape, T and context).
+_ATT_IMPL = "auto"
 # "par": the split partials are merged by a block (default); "serial": one thread merges them (cross-check)
 _ATT_COMBINE = "par"
 _ATT_MIN_KEYS_PER_SPLIT = 64
@@ -444,7 +446,8 @@ def attention_cached(
     sp, sv = _start_args(start, q.device)
     max_keys = max_ctx if sp != _NULL else min(max_ctx, int(sv) + t)
     epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
-    if _ATT_IMPL == "tile":
+    impl = _ATT_IMPL if _ATT_IMPL != "auto" else ("warp" if t == 1 else "tile")
+    if impl == "tile":
         rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
         groups = -(-(t * (hq // hkv)) // rb)
         want = -(-2 * _sms(q.device) // (hkv * groups))
@@ -461,12 +464,12 @@ def attention_cached(
         pa, pm = _p(ws_acc), _p(ws_ml)
     else:
         pa = pm = _NULL
-    if gate is not None and _ATT_IMPL == "tile":
+    if gate is not None:
         gargs = (_p(gate), np.int64(gate.stride(0)), np.int64(gate.stride(1)))
     else:
         gargs = (_NULL, np.int64(0), np.int64(0))
     head = (_p(qc), np.int64(qc.stride(0)), np.int64(qc.stride(1)), _p(k_cache), _p(v_cache), sp, sv)
-    if _ATT_IMPL == "tile":
+    if impl == "tile":
         args = head + (
             np.int32(t),
             np.int32(hq),
@@ -481,7 +484,17 @@ def attention_cached(
             *gargs,
         )
     else:
-        args = head + (np.int32(hq), np.int32(hkv), np.int32(d), np.int64(max_ctx), np.float32(scale), pa, pm, _p(out))
+        args = head + (
+            np.int32(hq),
+            np.int32(hkv),
+            np.int32(d),
+            np.int64(max_ctx),
+            np.float32(scale),
+            pa,
+            pm,
+            _p(out),
+            *gargs,
+        )
     _launch(name, q.dtype, q.device, grid, (128,), args)
     if splits > 1:
         if _ATT_COMBINE == "par":
@@ -489,8 +502,6 @@ def attention_cached(
         else:
             name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
         _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d), *gargs))
-    if gate is not None and _ATT_IMPL != "tile":  # the cross-check form gates in PyTorch
-        out = out * torch.sigmoid(gate)
     return out
 
 

@@ -345,7 +345,8 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
                                                 const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
                                                 const long long* start_ptr, long long start_val, int Hq, int Hkv,
                                                 int D, long long max_ctx, float scale, float* __restrict__ ws_acc,
-                                                float* __restrict__ ws_ml, scalar_t* __restrict__ out) {
+                                                float* __restrict__ ws_ml, scalar_t* __restrict__ out,
+                                                const scalar_t* __restrict__ gate, long long gs0, long long gs1) {
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS], s_w[ATT_WARPS];
     __shared__ float s_acc[ATT_WARPS][EPL * 32];
     const int S = gridDim.x, T = gridDim.z;
@@ -437,7 +438,7 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
             float a = 0.f;
 #pragma unroll
             for (int w = 0; w < ATT_WARPS; ++w) a += s_acc[w][d] * wt[w];
-            out[orow + d] = from_f<scalar_t>(a * inv);
+            out[orow + d] = gated_out(a * inv, gate, t * gs0 + h * gs1 + d);
         }
     } else {
         const long long prow = (long long)s * T * Hq + (long long)t * Hq + h;
@@ -460,9 +461,9 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
         attn_split_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,             \
                           const scalar_t* vc, const long long* start_ptr, long long start_val, int Hq,      \
                           int Hkv, int D, long long max_ctx, float scale, float* ws_acc, float* ws_ml,      \
-                          scalar_t* out) {                                                                 \
+                          scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) {             \
         attn_split_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, \
-                             ws_ml, out);                                                                  \
+                             ws_ml, out, gate, gs0, gs1);                                                  \
     }
 ATTN_SPLIT(1)
 ATTN_SPLIT(2)
