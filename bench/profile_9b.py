@@ -169,8 +169,9 @@ def attention_times() -> None:
     print()
 
 
-def profile_rounds(rounds: int) -> None:
+def profile_rounds(rounds: int, gemm: str = "cublas") -> None:
     eng = random_9b_engine()
+    eng.model.set_gemm(gemm)
     prompt = list(range(100, 164))
     sess = eng.new_session()
     s = EngineSettings(speculative=False, plan_pool=8)
@@ -190,11 +191,11 @@ def profile_rounds(rounds: int) -> None:
         row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         row[1] += 1
     total = sum(v[0] for v in by_name.values()) / n
-    gemm = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
+    gemm_us = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
     count = sum(v[1] for v in by_name.values()) / n
     print(
-        f"== 9B-shape target-only: {n} tokens; GPU busy {total / 1e3:.3f} ms/token; GEMM {gemm / 1e3:.3f} ms; "
-        f"other {(total - gemm) / 1e3:.3f} ms; {count:.0f} kernels/token =="
+        f"== 9B-shape target-only, gemm {gemm}: {n} tokens; GPU busy {total / 1e3:.3f} ms/token; GEMM {gemm_us / 1e3:.3f} ms; "
+        f"other {(total - gemm_us) / 1e3:.3f} ms; {count:.0f} kernels/token =="
     )
     print(f"{'us/token':>9} {'calls/tok':>9}  kernel")
     for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:28]:
@@ -204,7 +205,9 @@ def profile_rounds(rounds: int) -> None:
 
 def _is_gemm(name: str) -> bool:
     low = name.lower()
-    return any(s in low for s in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas"))
+    return any(
+        s in low for s in ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk", "cublas", "triton_tem", "_mm")
+    )
 
 
 def main() -> int:
@@ -212,14 +215,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--blas", default="cublas,cublaslt")
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="skip the GEMM tables")
+    ap.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention table")
+    ap.add_argument("--gemm", default="cublas", help="GEMM backends to profile the decode with, comma list")
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
     if a.gemv:
         gemv_table(bw, a.blas.split(","))
         gemv_variants(bw)
-    attention_times()
-    profile_rounds(a.rounds)
+    if a.attention:
+        attention_times()
+    for gemm in a.gemm.split(","):
+        profile_rounds(a.rounds, gemm)
     return 0
 
 

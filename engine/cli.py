@@ -32,6 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument(
+        "--gemm",
+        default="cublas",
+        choices=["cublas", "autotune"],
+        help="one-token GEMMs: cublas, or autotune (torch.compile max-autotune; large models on CUDA)",
+    )
 
 
 def _add_knob_args(p: argparse.ArgumentParser) -> None:
@@ -88,7 +94,7 @@ def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, En
 def _load_engine(a: argparse.Namespace):
     from .engine import Engine
 
-    return Engine.load(a.model, device=a.device, dtype=a.dtype, max_context=a.max_context)
+    return Engine.load(a.model, device=a.device, dtype=a.dtype, max_context=a.max_context, gemm=a.gemm)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

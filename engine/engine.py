@@ -18,6 +18,7 @@ from kernels.ops import cuda_enabled as ops_use_cuda
 
 from .config import ModelConfig
 from .errors import EngineError, ModelLoadError
+from .gemm import check_mode as check_gemm
 from .loader import DTYPES, load_weights
 from .model import Model
 from .plans import PlanPool
@@ -120,9 +121,12 @@ class Engine:
         dtype: str = "float32",
         max_context: int = 4096,
         devices: list[str] | None = None,
+        gemm: str = "cublas",
     ) -> Engine:
         """Load a model directory. `devices` (e.g. ["cuda:0", "cuda:1"], or ["cpu", "cpu"] to test the split
-        on one machine) splits the model tensor-parallel across them; otherwise it runs on `device`."""
+        on one machine) splits the model tensor-parallel across them; otherwise it runs on `device`.
+        `gemm`: "cublas", or "autotune" (one-token products through torch.compile's max-autotune, for large
+        models on CUDA; see engine/gemm.py)."""
         path = bundled_model_dir() if model_dir is None else Path(model_dir).expanduser()
         if not path.exists():
             raise ModelLoadError(f"{path}: model directory does not exist")
@@ -136,6 +140,8 @@ class Engine:
             raise EngineError(f"max_context must be an integer >= 16, got {max_context!r}")
         devs = [_parse_device(d) for d in devices] if devices else [_parse_device(device)]
         dev = devs[0]
+        for d in devs:
+            check_gemm(gemm, d)
         notice = _enable_kernels(dev)
         cfg = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer(path, cfg.eos_token_ids)
@@ -157,6 +163,7 @@ class Engine:
             model = TPModel(cfg, weights, has_mtp, devs)
         else:
             model = Model(cfg, weights, has_mtp)
+        model.set_gemm(gemm)
         eng = cls(model, tokenizer, path, max_context)
         eng.kernel_notice = notice
         return eng
@@ -175,6 +182,7 @@ class Engine:
             "has_mtp": self.model.has_mtp,
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).replace("torch.", ""),
+            "gemm": self.model.gemm,
             "parameters": params,
             "max_context": self.max_context,
             "devices": self.model.device_names,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kernels import ops
 
 from .config import ModelConfig
+from .gemm import autotuned_linear, check_mode
 from .state import SessionState
 
 # Batches up to this many tokens use the recurrent delta rule (a plane per token, so rollback works
@@ -35,6 +36,8 @@ class Model:
         tied = cfg.tie_word_embeddings
         self.parameter_count = sum(t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight"))
         self.device_names = [str(self.device)]
+        self.gemm = "cublas"
+        self._one_token_linear = None
         self._pack()
 
     def _pack(self) -> None:
@@ -58,10 +61,23 @@ class Model:
                 parts = [w.pop(p + n) for n in ("gate_proj.weight", "up_proj.weight")]
                 w[p + "gate_up_packed"] = torch.cat(parts).contiguous()
 
+    def set_gemm(self, mode: str) -> None:
+        """The GEMM backend of one-token products: "cublas" or "autotune" (see engine/gemm.py)."""
+        check_mode(mode, self.device)
+        self._one_token_linear = autotuned_linear() if mode == "autotune" else None
+        self.gemm = mode
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T: one-token products through the chosen backend, everything else cuBLAS."""
+        fn = self._one_token_linear
+        if fn is not None and x.dim() == 2 and x.shape[0] == 1:
+            return fn(x, weight)
+        return F.linear(x, weight)
+
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        return F.linear(ops.silu_mul(F.linear(x, w[p + "mlp.gate_up_packed"])), w[p + "mlp.down_proj.weight"])
+        return self.linear(ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"])), w[p + "mlp.down_proj.weight"])
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -70,7 +86,7 @@ class Model:
         t = x.shape[0]
         d = cfg.head_dim
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        qg, k, v = F.linear(x, w[p + "self_attn.qkv_packed"]).split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+        qg, k, v = self.linear(x, w[p + "self_attn.qkv_packed"]).split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
         qg = qg.reshape(t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
@@ -88,7 +104,7 @@ class Model:
             start,
         )
         out = ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate)
-        return F.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
+        return self.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
 
     def _delta_net(
         self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
@@ -98,7 +114,7 @@ class Model:
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z, b, a = F.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
+        qkv, z, b, a = self.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
         qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
@@ -107,7 +123,7 @@ class Model:
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
         o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return F.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
+        return self.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
 
     # ---- target -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
@@ -157,7 +173,7 @@ class Model:
     @property
     def plan_tag(self) -> tuple:
         """Anything beyond the batch shape that a captured plan depends on."""
-        return ()
+        return (self.gemm,)
 
     @property
     def capturable(self) -> bool:
@@ -188,7 +204,7 @@ class Model:
         w, eps = self.w, self.cfg.rms_norm_eps
         e = ops.rmsnorm(F.embedding(tokens, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
         hn = ops.rmsnorm(hiddens, w["mtp.pre_fc_norm_hidden.weight"], eps)
-        x = F.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
+        x = self.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
         for j in range(len(state.mtp_k_cache)):
             p = f"mtp.layers.{j}."
             h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps)

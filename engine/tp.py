@@ -212,7 +212,15 @@ class TPModel:
 
     @property
     def plan_tag(self) -> tuple:
-        return (self.mirror, self.combine)
+        return (self.mirror, self.combine, self.gemm)
+
+    @property
+    def gemm(self) -> str:
+        return self.shards[0].gemm
+
+    def set_gemm(self, mode: str) -> None:
+        for sh in self.shards:
+            sh.set_gemm(mode)
 
     @property
     def capturable(self) -> bool:
@@ -328,7 +336,7 @@ class TPModel:
         w = lead.w
         e = ops.rmsnorm(F.embedding(tokens, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
         hn = ops.rmsnorm(hiddens, w["mtp.pre_fc_norm_hidden.weight"], eps)
-        x0 = F.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
+        x0 = lead.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
         xs = [self._on(x0, dev, local) for _, dev, local in plan]
         starts = [self._on(start, dev, local) for _, dev, local in plan]
         for j in range(self.cfg.mtp_num_hidden_layers):

@@ -154,6 +154,17 @@ def test_cuda_where_there_is_none(tiny_model_dir):
         Engine.load(tiny_model_dir, device="cuda")
 
 
+def test_gemm_backend_errors(tiny_model_dir, tiny_engine):
+    """An unknown GEMM backend, or autotune on the CPU, is refused at load with what to use instead; the
+    engine already loaded keeps working."""
+    with pytest.raises(EngineError, match="gemm 'fast' is not known; use one of cublas, autotune"):
+        Engine.load(tiny_model_dir, gemm="fast")
+    with pytest.raises(EngineError, match="gemm='autotune' needs a CUDA device.*use gemm='cublas'"):
+        Engine.load(tiny_model_dir, device="cpu", gemm="autotune")
+    assert tiny_engine.info["gemm"] == "cublas"
+    assert len(tiny_engine.generate("def", 4).tokens) == 4
+
+
 # ---- CLI --------------------------------------------------------------------------------------------
 
 

@@ -122,3 +122,22 @@ def test_memory_breakdown_on_gpu(cuda_engines):
     after = eng.memory()
     assert after["weights"] == mem["weights"]
     assert after["kv_cache"] == 0 and after["snapshot_planes"] == 0 and after["graph_pools"] == 0
+
+
+def test_autotuned_gemm_backend(models):
+    """gemm='autotune' (torch.compile max-autotune for one-token products): its target-only tokens equal the
+    cuBLAS engine's on every workload, speculation stays lossless against it, and plans capture the compiled
+    kernels (graphs equal eager)."""
+    pytest.importorskip("triton")
+    path = models.get("bundled", models["tiny"])
+    base = Engine.load(path, device="cuda", dtype="float32")
+    tuned = Engine.load(path, device="cuda", dtype="float32", gemm="autotune")
+    assert tuned.info["gemm"] == "autotune"
+    target = EngineSettings(speculative=False, plan_pool=8)
+    for w in load_workloads().values():
+        ref = base.generate(w.prompt, 24, target, base.new_session()).tokens
+        assert tuned.generate(w.prompt, 24, target, tuned.new_session()).tokens == ref, w.name
+        spec = tuned.generate(w.prompt, 24, EngineSettings(draft_depth=4, plan_pool=8), tuned.new_session())
+        assert spec.tokens == ref, w.name
+    eager = tuned.generate("def f(x):", 24, EngineSettings(speculative=False, plan_pool=0), tuned.new_session())
+    assert eager.tokens == tuned.generate("def f(x):", 24, target, tuned.new_session()).tokens
