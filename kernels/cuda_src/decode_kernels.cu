@@ -111,56 +111,8 @@ __device__ __forceinline__ scalar_t gated_out(float o, const scalar_t* __restric
 // Longer rows take the looped path. Both compute the same expressions.
 #define NORM_REG 8
 
-template <typename W>
-__device__ __forceinline__ void rmsnorm_impl(const scalar_t* __restrict__ x, long long xs, const W* __restrict__ w,
-                                             scalar_t* __restrict__ y, int d, float eps) {
-    __shared__ float sh[32];
-    const long long row = blockIdx.x;
-    const scalar_t* xr = x + row * xs;
-    scalar_t* yr = y + row * (long long)d;
-    const int nt = blockDim.x;
-    if (d <= NORM_REG * nt) {
-        float v[NORM_REG], wv[NORM_REG];
-        float ss = 0.f;
-#pragma unroll
-        for (int k = 0; k < NORM_REG; ++k) {
-            const int i = threadIdx.x + k * nt;
-            v[k] = i < d ? to_f(xr[i]) : 0.f;
-            wv[k] = i < d ? to_f(w[i]) : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < NORM_REG; ++k) ss += v[k] * v[k];
-        ss = block_sum(ss, sh);
-        const float rs = rsqrtf(ss / (float)d + eps);  // rsqrt(mean(x^2) + eps)
-#pragma unroll
-        for (int k = 0; k < NORM_REG; ++k) {
-            const int i = threadIdx.x + k * nt;
-            if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));  // (y * (1 + w.float())).to(dtype)
-        }
-        return;
-    }
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < d; i += nt) {
-        const float v = to_f(xr[i]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, sh);
-    const float rs = rsqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += nt) {
-        const float v = to_f(xr[i]) * rs;
-        yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));
-    }
-}
-
-extern "C" __global__ void rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* w, scalar_t* y, int d,
-                                      float eps) {
-    rmsnorm_impl<scalar_t>(x, xs, w, y, d, eps);
-}
-extern "C" __global__ void rmsnorm_wf(const scalar_t* x, long long xs, const float* w, scalar_t* y, int d,
-                                      float eps) {
-    rmsnorm_impl<float>(x, xs, w, y, d, eps);
-}
-
+// add_rmsnorm: s = x + residual (one rounding to dtype), y = rmsnorm(s). With r == nullptr it is rmsnorm of x
+// (nothing added, s not written): one implementation for both ops.
 template <typename W>
 __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x, long long xs,
                                                  const scalar_t* __restrict__ r, long long rs_,
@@ -169,8 +121,8 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
     __shared__ float sh[32];
     const long long row = blockIdx.x;
     const scalar_t* xr = x + row * xs;
-    const scalar_t* rr = r + row * rs_;
-    scalar_t* sr = s + row * (long long)d;
+    const scalar_t* rr = r ? r + row * rs_ : nullptr;
+    scalar_t* sr = s ? s + row * (long long)d : nullptr;
     scalar_t* yr = y + row * (long long)d;
     const int nt = blockDim.x;
     if (d <= NORM_REG * nt) {
@@ -180,14 +132,13 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
         for (int k = 0; k < NORM_REG; ++k) {
             const int i = threadIdx.x + k * nt;
             const float a = i < d ? to_f(xr[i]) : 0.f;
-            const float b = i < d ? to_f(rr[i]) : 0.f;
-            v[k] = rnd<scalar_t>(a + b);  // s = x + residual (in dtype)
+            v[k] = rr ? rnd<scalar_t>(a + (i < d ? to_f(rr[i]) : 0.f)) : a;  // s = x + residual (in dtype)
             wv[k] = i < d ? to_f(w[i]) : 0.f;
         }
 #pragma unroll
         for (int k = 0; k < NORM_REG; ++k) {
             const int i = threadIdx.x + k * nt;
-            if (i < d) sr[i] = from_f<scalar_t>(v[k]);
+            if (sr && i < d) sr[i] = from_f<scalar_t>(v[k]);
             ss += v[k] * v[k];
         }
         ss = block_sum(ss, sh);
@@ -201,16 +152,25 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
     }
     float ss = 0.f;
     for (int i = threadIdx.x; i < d; i += nt) {
-        const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i]));  // s = x + residual (in dtype)
-        sr[i] = from_f<scalar_t>(v);
+        const float v = rr ? rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i])) : to_f(xr[i]);  // s = x + residual
+        if (sr) sr[i] = from_f<scalar_t>(v);
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float rs = rsqrtf(ss / (float)d + eps);
     for (int i = threadIdx.x; i < d; i += nt) {
-        const float v = rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i])) * rs;
+        const float v = (rr ? rnd<scalar_t>(to_f(xr[i]) + to_f(rr[i])) : to_f(xr[i])) * rs;
         yr[i] = from_f<scalar_t>(v * (1.0f + to_f(w[i])));
     }
+}
+
+extern "C" __global__ void rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* w, scalar_t* y, int d,
+                                      float eps) {
+    add_rmsnorm_impl<scalar_t>(x, xs, nullptr, 0, w, y, nullptr, d, eps);
+}
+extern "C" __global__ void rmsnorm_wf(const scalar_t* x, long long xs, const float* w, scalar_t* y, int d,
+                                      float eps) {
+    add_rmsnorm_impl<float>(x, xs, nullptr, 0, w, y, nullptr, d, eps);
 }
 
 extern "C" __global__ void add_rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* r, long long rs,
