@@ -92,6 +92,9 @@ def test_a_bench_can_be_stopped(qtbot, window):
         tab.run_button.click()
         qtbot.waitUntil(lambda: tab.progress.value() >= 1, timeout=RUN_TIMEOUT_MS)
         tab.stop_button.click()
-    assert window.state == "idle" and tab.run_button.isEnabled()
+    # bench_finished is emitted on the worker thread: pytest-qt's blocker returns at once (a direct
+    # connection), while the window's slot is queued to the GUI thread. Idle must follow promptly.
+    qtbot.waitUntil(lambda: window.state == "idle", timeout=2000)
+    assert tab.run_button.isEnabled()
     assert 0 < len(tab.report.rows) < 20 * 4 * 2
     assert "Stopped early" in tab.progress_label.text()
