@@ -23,7 +23,7 @@ from .loader import DTYPES, load_weights
 from .model import Model
 from .plans import PlanPool
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
-from .spec import prefill, run_round
+from .spec import check_fits, prefill, run_round
 from .state import Session
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
@@ -230,11 +230,7 @@ class Engine:
 
     def check_settings(self, settings: EngineSettings) -> None:
         """Raise EngineError when valid settings still do not fit this model."""
-        if settings.sub_vocab > self.cfg.vocab_size:
-            raise EngineError(
-                f"sub_vocab {settings.sub_vocab} is larger than the model's vocabulary ({self.cfg.vocab_size}); "
-                "use 0 (full) or a smaller value"
-            )
+        check_fits(self.model, settings)
 
     # ---- sessions -------------------------------------------------------------------------------
     def new_session(self, settings: EngineSettings | None = None) -> Session:

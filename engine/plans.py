@@ -20,11 +20,16 @@ class PlanPool:
     def __init__(self, device: torch.device, capturable: bool) -> None:
         self.device = device
         self.capturable = capturable and device.type == "cuda"
-        self.graphs: OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = OrderedDict()
+        # key -> (graph, its outputs, bytes its private memory pool took at capture)
+        self.graphs: OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, Any, int]] = OrderedDict()
         self.hits = 0
         self.misses = 0
         self.capture_s = 0.0
-        self.pool_bytes = 0
+
+    @property
+    def pool_bytes(self) -> int:
+        """Memory of the plans held now (an evicted plan's pool goes with it)."""
+        return sum(entry[2] for entry in self.graphs.values())
 
     def run(self, key: Hashable, capacity: int, work: Callable[[], Any]) -> Any:
         """Run `work` (device work on static buffers only) as a captured graph when possible."""
@@ -44,9 +49,9 @@ class PlanPool:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # a private memory pool per plan: evicting one frees its memory
             outputs = work()  # recorded, not executed
-        self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)  # the plan's private pool
+        pool = max(0, torch.cuda.memory_reserved(self.device) - before)  # the plan's private pool
         self.capture_s += time.perf_counter() - t0
-        self.graphs[key] = (graph, outputs)
+        self.graphs[key] = (graph, outputs, pool)
         self._evict(capacity)
         return result
 

@@ -82,10 +82,18 @@ def prefill(model: Model, state: SessionState) -> int:
 def refill(model: Model, state: SessionState) -> None:
     """Fallback when a rollback cannot be served: reset the recurrent state and re-prefill the committed
     prefix (tokens are kept; the MTP head catches up from row 0)."""
-    tokens = list(state.tokens)
-    state.reset()
-    state.tokens = tokens
+    state.forget_computed()
     prefill(model, state)
+
+
+def check_fits(model: Model, settings: EngineSettings) -> None:
+    """Raise EngineError when valid settings still do not fit this model (checked at every round, since a
+    session's settings may change between rounds from another thread)."""
+    if settings.sub_vocab > model.cfg.vocab_size:
+        raise EngineError(
+            f"sub_vocab {settings.sub_vocab} is larger than the model's vocabulary ({model.cfg.vocab_size}); "
+            "use 0 (full) or a smaller value"
+        )
 
 
 class _Clock:
@@ -139,7 +147,7 @@ def _stage(state: SessionState, values: list[int]) -> None:
 def _catch_up(model: Model, state: SessionState, width: int) -> torch.Tensor:
     """The MTP head over its pending rows (mtp_start_buf ..), the last being draft step 1: returns that
     row's output y [1, H], the input of the next step and of the pick."""
-    rows = state.mtp_start_buf + torch.arange(width, device=model.device)
+    rows = state.mtp_start_buf + state.row_offsets(width)
     y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
     return y[-1:]
 
@@ -176,7 +184,7 @@ def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min
 def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None:
     """Target over ids_buf[:width]; hidden rows saved; greedy acceptance into out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
-    state.hidden.index_copy_(0, state.start_buf + torch.arange(width, device=model.device), hidden)
+    state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
     target_tokens, _ = model.pick(hidden, 0)
     state.cache_len_buf.copy_(state.start_buf)
     ops.greedy_accept(
@@ -200,11 +208,7 @@ def run_round(
     drafter: Drafter | None = None,
 ) -> RoundOutcome:
     """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification)."""
-    if settings.sub_vocab > model.cfg.vocab_size:
-        raise EngineError(
-            f"sub_vocab {settings.sub_vocab} is larger than the model's vocabulary ({model.cfg.vocab_size}); "
-            "use 0 (full) or a smaller value"
-        )
+    check_fits(model, settings)
     n = len(state.tokens)
     if state.target_len != n - 1:
         refill(model, state)

@@ -77,9 +77,14 @@ class SessionState:
         pinned = device.type == "cuda"
         self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
+        self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
         # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
         self.legacy_clamped_planes = False
         self.reset()
+
+    def row_offsets(self, n: int) -> torch.Tensor:
+        """0 .. n-1 on the device: a view of one static buffer (no arange launched per round or plan)."""
+        return self._offsets[:n]
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -119,7 +124,7 @@ class SessionState:
         out = {
             "kv_cache": [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache],
             "snapshot_planes": [*self.delta_planes.values(), *self.conv_planes.values()],
-            "workspace": [self.hidden, self.stage_dev, self.out_buf],
+            "workspace": [self.hidden, self.stage_dev, self.out_buf, self._offsets],
         }
         for shard in self.shards:
             for key, tensors in shard.buffers().items():
