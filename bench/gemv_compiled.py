@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import copy_bandwidth  # noqa: E402
-from profile_9b import SHAPES, graph_time  # noqa: E402
+from profile_9b import SHAPES  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 
 def main() -> int:

@@ -28,9 +28,11 @@ from engine import Engine, EngineSettings  # noqa: E402
 from engine.bench import BenchArm, run_bench  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
-from engine.loader import expected_shapes  # noqa: E402
-from engine.model import Model  # noqa: E402
+from engine.loader import FP32_SUFFIXES, expected_shapes  # noqa: E402
 from engine.workloads import load_workloads  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import copy_bandwidth  # noqa: E402
 
 LINES: list[str] = []
 
@@ -40,39 +42,40 @@ def say(line: str = "") -> None:
     LINES.append(line)
 
 
+def save(path: str | None) -> None:
+    """Write everything `say` printed to `path` (when given)."""
+    if path:
+        Path(path).write_text("\n".join(LINES) + "\n")
+
+
+def workload_prompts(eng: Engine) -> list:
+    """The four workloads' prompts for this engine's tokenizer (chat template applied when it has one)."""
+    return [w.prompt_for(eng.tokenizer) for w in load_workloads().values()]
+
+
+def run_prompts(
+    eng: Engine, settings: EngineSettings, n: int, prompts: list, warm_n: int = 16, after_warm_up=None
+) -> list[dict]:
+    """Run stats of `n` new tokens from each prompt, on one session reset in between, after a warm-up run
+    on the first prompt (which captures the plans); `after_warm_up()` is called between the two."""
+    sess = eng.new_session()
+    eng.generate(prompts[0], warm_n, settings, sess)
+    if after_warm_up is not None:
+        after_warm_up()
+    out = []
+    for prompt in prompts:
+        sess.reset()
+        out.append(eng.generate(prompt, n, settings, sess).stats)
+    return out
+
+
 def mean_tps(eng: Engine, settings: EngineSettings, n: int, reps: int = 1) -> tuple[float, dict]:
     """Mean generation t/s over the four workloads (fresh session each run, one warm-up)."""
-    wl = load_workloads()
-    sess = eng.new_session()
-    eng.generate(wl["code_gen"].prompt_for(eng.tokenizer), 16, settings, sess)
-    tps, acc_len = [], []
-    for _ in range(reps):
-        for w in wl.values():
-            sess.reset()
-            s = eng.generate(w.prompt_for(eng.tokenizer), n, settings, sess).stats
-            tps.append(s["tokens_per_second"])
-            acc_len.append(s["mean_accepted_length"])
-    st = s
-    return statistics.fmean(tps), {"accepted_length": statistics.fmean(acc_len), "last": st}
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2 * 1024**3 / statistics.median(times)
+    runs = run_prompts(eng, settings, n, workload_prompts(eng) * reps)
+    return statistics.fmean(r["tokens_per_second"] for r in runs), {
+        "accepted_length": statistics.fmean(r["mean_accepted_length"] for r in runs),
+        "last": runs[-1],
+    }
 
 
 def section_a(model_dir: Path, n: int) -> None:
@@ -187,13 +190,14 @@ def random_9b_engine(devices: list[str] | None = None) -> Engine:
     }
     cfg = ModelConfig.from_dict(raw)
     target, _ = expected_shapes(cfg)
-    build_on = torch.device(devices[0] if devices else "cuda")
+    devs = [torch.device(d) for d in devices] if devices else [torch.device("cuda")]
+    build_on = devs[0]
     g = torch.Generator(device=build_on).manual_seed(0)
     w = {}
     for name, shape in target.items():
-        if name.endswith(("A_log",)):
+        if name.endswith("A_log"):
             w[name] = torch.log(torch.rand(shape, device=build_on, generator=g) * 8 + 0.5)
-        elif name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+        elif name.endswith(FP32_SUFFIXES):  # kept in fp32, as the loader keeps them
             t = torch.randn(shape, device=build_on, generator=g, dtype=torch.float32) * 0.05
             w[name] = t + 1 if "linear_attn.norm" in name else t
         else:
@@ -201,21 +205,11 @@ def random_9b_engine(devices: list[str] | None = None) -> Engine:
             t = torch.randn(shape, device=build_on, generator=g, dtype=torch.bfloat16)
             w[name] = t.mul_(fan_in**-0.5) if len(shape) > 1 and "embed" not in name else t
     for name in list(w):
-        if name.endswith("conv1d.weight"):
+        if name.endswith("conv1d.weight"):  # [C, 1, K] -> [C, K], as load_weights returns it
             w[name] = w[name][:, 0, :].contiguous()
-
-    if devices and len(devices) > 1:
-        from engine.tp import TPModel
-
-        model = TPModel(cfg, w, False, [torch.device(d) for d in devices])
-        del w
-        torch.cuda.empty_cache()
-    else:
-        model = Model(cfg, w, has_mtp=False)
-    eng = Engine(model, IdsOnly(), Path("random-9b-shape"), 2048)
-    from engine.engine import _enable_kernels
-
-    eng.kernel_notice = _enable_kernels(build_on)
+    eng = Engine.from_weights(cfg, w, False, IdsOnly(), Path("random-9b-shape"), 2048, devs)
+    del w
+    torch.cuda.empty_cache()
     return eng
 
 
@@ -306,8 +300,7 @@ def main() -> int:
         if "bf16" in sections:
             section_bf16(model_dir, a.n)
     finally:
-        if a.out:
-            Path(a.out).write_text("\n".join(LINES) + "\n")
+        save(a.out)
     return 0
 
 

@@ -15,7 +15,6 @@ Each figure: median over `reps` timings of `iters` back-to-back calls, after a w
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -27,53 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import cuda as kc  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import graph_time, time_eager  # noqa: E402
+
 DEV = torch.device("cuda")
 
 SHAPES = {
     "bundled": dict(hidden=384, hq=6, hkv=2, d=64, rot=16, hk=2, hv=4, dk=64, dv=64, vocab=16384),
     "9b": dict(hidden=4096, hq=16, hkv=4, d=256, rot=64, hk=16, hv=32, dk=128, dv=128, vocab=32768),
 }
-
-
-def time_eager(fn, iters: int, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        res.append(a.elapsed_time(b) * 1000.0 / iters)
-    return statistics.median(res)
-
-
-def time_graph(fn, reps: int, per_graph: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        b.synchronize()
-        res.append(a.elapsed_time(b) * 1000.0 / (5 * per_graph))
-    return statistics.median(res)
 
 
 def cases(name: str, s: dict, t: int, dtype: torch.dtype, ctxs: list[int]):
@@ -205,10 +166,10 @@ def main() -> None:
     for name, s in SHAPES.items():
         for t in [int(v) for v in a.t.split(",")]:
             for op, detail, rf, cf, nbytes in cases(name, s, t, dtype, ctxs):
-                tr = time_eager(rf, max(5, a.iters // 5), a.reps)
-                tc = time_eager(cf, a.iters, a.reps)
+                tr = 1e6 * time_eager(rf, max(5, a.iters // 5), a.reps)  # microseconds
+                tc = 1e6 * time_eager(cf, a.iters, a.reps)
                 try:
-                    tg = time_graph(cf, a.reps)
+                    tg = 1e6 * graph_time(cf, reps=a.reps)
                 except Exception as e:  # noqa: BLE001
                     print(f"  graph timing failed for {op}: {type(e).__name__}: {e}")
                     tg = float("nan")

@@ -28,31 +28,23 @@ from engine import Engine, EngineSettings, bundled_model_dir  # noqa: E402
 from engine.workloads import load_workloads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import LINES, IdsOnly, say  # noqa: E402  (one printer for both benches)
+from gpu_bench import IdsOnly, random_9b_engine, run_prompts, save, say, workload_prompts  # noqa: E402
 
 
 def tps(eng: Engine, settings: EngineSettings, n: int) -> tuple[float, int]:
-    if isinstance(eng.tokenizer, IdsOnly):  # the random model: token-id prompts, target-only
-        sess = eng.new_session()
-        prompt = list(range(100, 164))
-        eng.generate(prompt, 8, settings, sess)
-        calls0 = eng.model.reduce.calls if hasattr(eng.model, "reduce") else 0
-        sess.reset()
-        s = eng.generate(prompt, n, settings, sess).stats
-        calls = (eng.model.reduce.calls - calls0) if hasattr(eng.model, "reduce") else 0
-        return s["tokens_per_second"], calls // max(s["rounds"], 1)
-    wl = load_workloads()
-    sess = eng.new_session()
-    eng.generate(wl["code_gen"].prompt_for(eng.tokenizer), 8, settings, sess)
-    calls0 = getattr(eng.model, "reduce", None).calls if hasattr(eng.model, "reduce") else 0
-    vals, rounds = [], 0
-    for w in wl.values():
-        sess.reset()
-        s = eng.generate(w.prompt_for(eng.tokenizer), n, settings, sess).stats
-        vals.append(s["tokens_per_second"])
-        rounds += s["rounds"]
-    calls = (eng.model.reduce.calls - calls0) if hasattr(eng.model, "reduce") else 0
-    return statistics.fmean(vals), calls // max(rounds, 1)
+    """Mean t/s, and all-reduce calls per round (0 on one device)."""
+    ids_only = isinstance(eng.tokenizer, IdsOnly)  # the random model: one token-id prompt, target-only
+    prompts = [list(range(100, 164))] if ids_only else workload_prompts(eng)
+    reduce = getattr(eng.model, "reduce", None)
+    calls0 = [0]
+
+    def mark() -> None:
+        calls0[0] = reduce.calls if reduce else 0
+
+    runs = run_prompts(eng, settings, n, prompts, warm_n=8, after_warm_up=mark)
+    calls = (reduce.calls - calls0[0]) if reduce else 0
+    rounds = sum(r["rounds"] for r in runs)
+    return statistics.fmean(r["tokens_per_second"] for r in runs), calls // max(rounds, 1)
 
 
 def _sync(devices) -> None:
@@ -76,11 +68,12 @@ def allreduce_latency(eng: Engine, rows: int, reps: int = 200) -> float:
 def check_equal(model_dir: Path, devices: list[str]) -> None:
     one = Engine.load(model_dir, device=devices[0], dtype="float32")
     two = Engine.load(model_dir, devices=devices, dtype="float32")
-    ids = one.tokenizer.encode(load_workloads()["code_echo"].prompt)[:200]
+    workloads = load_workloads()
+    ids = one.tokenizer.encode(workloads["code_echo"].prompt)[:200]
     ref = one.logits(ids).cpu()
     diff = (ref - two.logits(ids).cpu()).abs().max().item()
     rel = diff / ref.abs().max().item()
-    prompt = load_workloads()["code_gen"].prompt
+    prompt = workloads["code_gen"].prompt
     g = one.generate(prompt, 64, EngineSettings(speculative=False)).tokens
     same = all(
         two.generate(prompt, 64, EngineSettings(draft_depth=5, mirror_output=m), two.new_session()).tokens == g
@@ -151,8 +144,6 @@ def main() -> int:
         )
         if a.skip_9b:
             return 0
-        from gpu_bench import random_9b_engine
-
         run_model(
             "Qwen3.5-9B-like shapes, random (bf16), target-only",
             lambda: random_9b_engine([devices[0]]),
@@ -160,8 +151,7 @@ def main() -> int:
             a.n,
         )
     finally:
-        if a.out:
-            Path(a.out).write_text("\n".join(LINES) + "\n")
+        save(a.out)
     return 0
 
 

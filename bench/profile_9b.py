@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import copy_bandwidth, random_9b_engine  # noqa: E402
+from gpu_bench import random_9b_engine  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from engine import EngineSettings  # noqa: E402
 
@@ -35,30 +36,6 @@ SHAPES = {  # name: (N, K, count per token)
     "mlp down_proj": (4096, 12288, 32),
     "lm_head": (32768, 4096, 1),
 }
-
-
-def graph_time(fn, calls: int = 20, reps: int = 5) -> float:
-    """Seconds per call, from a CUDA graph of `calls` back-to-back calls (median of reps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def gemv_table(bw: float, backends: list[str]) -> None:

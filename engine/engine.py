@@ -142,7 +142,6 @@ class Engine:
         dev = devs[0]
         for d in devs:
             check_gemm(gemm, d)
-        notice = _enable_kernels(dev)
         cfg = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer(path, cfg.eos_token_ids)
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -157,14 +156,31 @@ class Engine:
             raise EngineError(
                 f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
             ) from None
-        if len(devs) > 1:
+        return cls.from_weights(cfg, weights, has_mtp, tokenizer, path, max_context, devs, gemm)
+
+    @classmethod
+    def from_weights(
+        cls,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        has_mtp: bool,
+        tokenizer,
+        model_dir: Path,
+        max_context: int,
+        devices: list[torch.device],
+        gemm: str = "cublas",
+    ) -> Engine:
+        """An engine over weights already in memory (as `load_weights` returns them, or built in memory by a
+        benchmark): split tensor-parallel when several devices are given, CUDA kernels enabled when there."""
+        notice = _enable_kernels(devices[0])
+        if len(devices) > 1:
             from .tp import TPModel
 
-            model = TPModel(cfg, weights, has_mtp, devs)
+            model = TPModel(cfg, weights, has_mtp, devices)
         else:
             model = Model(cfg, weights, has_mtp)
         model.set_gemm(gemm)
-        eng = cls(model, tokenizer, path, max_context)
+        eng = cls(model, tokenizer, model_dir, max_context)
         eng.kernel_notice = notice
         return eng
 
