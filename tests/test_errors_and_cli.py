@@ -212,15 +212,13 @@ def test_cli_bench_prints_the_seed_tables(tiny_model_dir, tmp_path, capsys):
 
 
 def test_workloads_use_the_chat_template_when_the_model_has_one(model_copy):
-    import json as _json
-
     from engine.workloads import load_workloads
 
     template = (  # the shape of Qwen's template
         "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
     )
-    (model_copy / "tokenizer_config.json").write_text(_json.dumps({"chat_template": template}))
+    (model_copy / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     eng = Engine.load(model_copy)
     w = load_workloads()["code_gen"]
     prompt = w.prompt_for(eng.tokenizer)

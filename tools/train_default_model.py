@@ -379,13 +379,7 @@ def main(argv=None) -> int:
                 f"train: {step_s * 1000:.0f} ms/step -> planning {total_steps} steps "
                 f"({total_steps * args.batch * args.seq / 1e6:.0f} M tokens)"
             )
-        lr = tm.lr_at(
-            step,
-            total_steps if step >= 30 or args.max_steps else max(total_steps, 10**6),
-            args.lr,
-            warmup,
-            args.final_lr_frac,
-        )
+        lr = tm.lr_at(step, total_steps, args.lr, warmup, args.final_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         w = batches.next()
