@@ -318,14 +318,13 @@ class MainWindow(QMainWindow):
         self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
         self.plots.set_engine_memory(loaded.memory)
         self._update_knob_context()
-        if self.applied_profile is not None and self.applied_profile.sub_vocab_fraction is not None:
-            # The profile gives sub-vocab as a share of the vocabulary; the worker scaled it to
-            # this model before its first round: show that value.
-            settings = self.applied_profile.settings_for(info["vocab_size"])
-            self.plots.name_settings(settings, self.applied_profile.name)
-            self.knobs.set_settings(settings)
-        elif self.knobs.settings().sub_vocab > info["vocab_size"]:
-            self.knobs.set_settings(self.knobs.settings().replace(sub_vocab=0), emit=True)
+        # The worker fitted the settings to this model before its first round (sub-vocab scaled
+        # from a profile's share of the vocabulary, or reset when larger): show what will run.
+        fitted = self.worker.settings
+        if fitted is not None:
+            if self.applied_profile is not None and self.applied_profile.sub_vocab_fraction is not None:
+                self.plots.name_settings(fitted, self.applied_profile.name)
+            self.knobs.set_settings(fitted)
 
     def _on_run_started(self, started: RunStarted) -> None:
         self.output.begin_run(f"run {started.run_id} · {started.label} · {settings_summary(started.settings)}")

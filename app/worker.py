@@ -219,13 +219,13 @@ class EngineWorker(QObject):
     def set_settings(self, settings: Any, sub_vocab_fraction: float | None = None) -> None:
         """Apply settings live: the running generation picks them up at its next round.
 
-        sub_vocab_fraction (from a profile): sub_vocab is that share of the model's vocabulary,
-        worked out here for the loaded model and again for each model loaded later, before its
-        first round."""
+        sub_vocab_fraction (from a profile): sub_vocab is that share of the model's vocabulary.
+        Either way the settings are fitted here to the loaded model, and again to each model loaded
+        later before its first round (a sub_vocab larger than its vocabulary means all of it)."""
         with self._settings_lock:
             self._sub_vocab_fraction = sub_vocab_fraction
-            if sub_vocab_fraction is not None and self.engine is not None:
-                settings = _scaled(settings, sub_vocab_fraction, self.engine.info["vocab_size"])
+            if self.engine is not None:
+                settings = _fitted(settings, sub_vocab_fraction, self.engine.info["vocab_size"])
             self._pending_settings = settings
             if self._session is not None:
                 self._session.settings = settings
@@ -279,8 +279,8 @@ class EngineWorker(QObject):
         session = engine.new_session()
         with self._settings_lock:
             self._session = session
-            if self._pending_settings is not None and self._sub_vocab_fraction is not None:
-                self._pending_settings = _scaled(
+            if self._pending_settings is not None:
+                self._pending_settings = _fitted(
                     self._pending_settings, self._sub_vocab_fraction, engine.info["vocab_size"]
                 )
             if self._pending_settings is not None:
@@ -427,7 +427,9 @@ def leave_a_core_for_the_window() -> None:
         torch.set_num_threads(threads)
 
 
-def _scaled(settings: Any, sub_vocab_fraction: float, vocab_size: int) -> Any:
+def _fitted(settings: Any, sub_vocab_fraction: float | None, vocab_size: int) -> Any:
+    """The settings for a model of this vocabulary: sub_vocab scaled from the profile's fraction, or
+    reset to the whole vocabulary when it is larger (the rule of Profile.settings_for)."""
     from engine.profiles import Profile
 
     return Profile(name="", settings=settings, sub_vocab_fraction=sub_vocab_fraction).settings_for(vocab_size)

@@ -50,7 +50,7 @@ def make_window(qtbot, app_config, tiny_model_dir):
         kwargs.setdefault("model_dir", str(tiny_model_dir))
         window = MainWindow(**kwargs)
         qtbot.addWidget(window)
-        window.run_panel.max_new_tokens.setValue(kwargs.pop("tokens", 24) if "tokens" in kwargs else 24)
+        window.run_panel.max_new_tokens.setValue(24)
         window.show()
         windows.append(window)
         return window

@@ -252,3 +252,13 @@ def test_the_frame_gate_never_holds_the_engine_for_long():
     gate.request()
     gate.set_running(False)  # a run's end withdraws the request: the window draws directly
     assert not gate.requested
+
+
+def test_a_sub_vocab_larger_than_the_loaded_vocabulary_runs_on_all_of_it(qtbot, window):
+    """A sub-vocab set before the model is known (or kept from a bigger model) larger than the model's
+    vocabulary: the run uses the whole vocabulary and the knob shows it, instead of every round failing."""
+    window.knobs.sub_vocab.setMaximum(10**6)
+    window.knobs.sub_vocab.setValue(5000)  # the tiny model has 320 ids
+    start_run(qtbot, window, repeat=False)
+    wait_for_settings(qtbot, window, sub_vocab=0)
+    assert window.worker.settings.sub_vocab == 0 and window.knobs.sub_vocab.value() == 0
