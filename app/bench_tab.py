@@ -44,7 +44,6 @@ class BenchTab(QWidget):
     def __init__(self, workload_names: list[str], parent: QWidget | None = None):
         super().__init__(parent)
         self.report: Any = None
-        self.running = False
         self._profiles: list[Profile] = []
 
         self.profile_a = QComboBox()
@@ -180,7 +179,6 @@ class BenchTab(QWidget):
         self.start_requested.emit(([(name_a, a), (name_b, b)], workloads, rounds, tokens))
 
     def set_running(self, running: bool) -> None:
-        self.running = running
         self.run_button.setEnabled(not running)
         self.stop_button.setEnabled(running)
 

@@ -24,7 +24,6 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
-    QVBoxLayout,
     QWidget,
 )
 
@@ -217,7 +216,6 @@ class RunPanel(QGroupBox):
     def __init__(self, workloads: dict[str, Any], bundled_dir: Path | None, parent: QWidget | None = None):
         super().__init__("Run", parent)
         self.workloads = workloads
-        self.bundled_dir = bundled_dir
 
         self.model_combo = QComboBox()
         bundled_text = f"{BUNDLED_MODEL} ({bundled_dir.name})" if bundled_dir else f"{BUNDLED_MODEL} (not installed)"
@@ -374,11 +372,3 @@ class RunPanel(QGroupBox):
         for widget in (self.model_combo, self.device_combo, self.dtype_combo, self.workload_combo, self.max_new_tokens):
             widget.setEnabled(not running)
         self.prompt_edit.setReadOnly(running or self.workload_name() is not None)
-
-
-def section(title: str, *widgets: QWidget) -> QWidget:
-    box = QGroupBox(title)
-    layout = QVBoxLayout(box)
-    for widget in widgets:
-        layout.addWidget(widget)
-    return box

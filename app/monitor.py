@@ -31,7 +31,6 @@ from PySide6.QtWidgets import (
 
 from app.plots import SERIES_COLORS, RingBuffer, make_plot
 
-MIB = 1024**2
 GIB = 1024**3
 SAMPLE_INTERVAL_S = 0.5
 HISTORY_SAMPLES = 240  # two minutes at 2 Hz
@@ -100,10 +99,6 @@ class NvmlReader:
             self.close()
             return
         self.available = True
-
-    @property
-    def gpu_names(self) -> list[str]:
-        return list(self._names)
 
     def read(self) -> list[GpuReading]:
         if not self.available:
@@ -326,10 +321,6 @@ class MonitorTab(QWidget):
         grid.addWidget(self.plots["ram_gib"], 2, 1)
         self._cpu_curve = self.plots["cpu_percent"].plot(pen=pg.mkPen(SERIES_COLORS[0], width=2))
         self._ram_curve = self.plots["ram_gib"].plot(pen=pg.mkPen(SERIES_COLORS[1], width=2))
-
-    @property
-    def has_gpu(self) -> bool:
-        return bool(self.latest and self.latest.gpus)
 
     @Slot(object)
     def add_sample(self, sample: MonitorSample) -> None:

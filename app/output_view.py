@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QVBoxLayout, QWidget
 
@@ -163,4 +163,4 @@ class OutputView(QWidget):
             cursor.removeSelectedText()
 
 
-__all__ = ["OutputView", "DRAFT_BACKGROUND", "Qt"]
+__all__ = ["OutputView", "DRAFT_BACKGROUND"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QRegion
 from PySide6.QtWidgets import (
     QGraphicsItem,
@@ -200,8 +200,6 @@ class Marker:
 class RunPlots(QWidget):
     """The Live tab's plots plus their toolbar (pause, clear, export CSV / PNG)."""
 
-    markers_changed = Signal()
-
     # Columns of the per-round buffers (also the CSV columns, in this order).
     ROUND_COLUMNS = [
         "time_s",
@@ -242,7 +240,7 @@ class RunPlots(QWidget):
         self._rotation_left = 0
         self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
         self._round_count = 0  # rounds seen since clear (the marker's round number)
-        self._window: deque[tuple[int, int, int, float, list[float]]] = deque(maxlen=SMOOTHING_ROUNDS)
+        self._window: deque[tuple[int, int, int, float]] = deque(maxlen=SMOOTHING_ROUNDS)
         # Settings segments: (first round number, settings); the CSV's settings column.
         self._segments: list[tuple[int, Any]] = []
         self._last_settings: Any = None
@@ -413,7 +411,7 @@ class RunPlots(QWidget):
         n_tokens = len(ev.tokens)
         round_s = max(ev.time_round_s, 1e-9)
         split_ms = [getattr(ev, field) * 1000.0 for field, _, _ in TIME_SPLIT]
-        self._window.append((n_tokens, ev.drafted, ev.accepted, round_s, split_ms))
+        self._window.append((n_tokens, ev.drafted, ev.accepted, round_s))
         w_tokens = sum(w[0] for w in self._window)
         w_drafted = sum(w[1] for w in self._window)
         w_accepted = sum(w[2] for w in self._window)
@@ -523,7 +521,6 @@ class RunPlots(QWidget):
             plot.addItem(line, ignoreBounds=True)
             lines.append(line)
         self.markers.append(Marker(time_s, self._round_count, label, lines))
-        self.markers_changed.emit()
 
     # ------------------------------------------------------------------------------ controls
 
@@ -560,7 +557,6 @@ class RunPlots(QWidget):
         self._position_accepted = np.zeros(0)
         self._previous_positions = None
         self.summary_label.setText("Cleared.")
-        self.markers_changed.emit()
         self.redraw(force_ranges=True)
 
     @property
@@ -609,7 +605,7 @@ class RunPlots(QWidget):
         times a second). A frame then repaints two plots, not six, which keeps it short even
         while the engine thread competes for the GIL. force_ranges draws everything now."""
         self._dirty = False
-        r = {name: buffer.array() for name, buffer in self._rounds.items()}
+        r = _Columns(self._rounds)  # a frame copies out only the columns it draws
         t = r["time_s"]
         self.speed_raw_curve.setData(t, r["tokens_per_second"])
         self.speed_smooth_curve.setData(t, r["tokens_per_second_smoothed"])
@@ -826,6 +822,18 @@ class RunPlots(QWidget):
         if not self.graphics.grab().save(str(path)):
             raise OSError(f"could not write {path}")
         return path
+
+
+class _Columns(dict):
+    """The round columns as arrays, each copied out of its ring buffer the first time it is read."""
+
+    def __init__(self, buffers: dict[str, Any]) -> None:
+        super().__init__()
+        self._buffers = buffers
+
+    def __missing__(self, name: str) -> np.ndarray:
+        value = self[name] = self._buffers[name].array()
+        return value
 
 
 def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:

@@ -8,6 +8,7 @@ field under the list, and skipped.
 from __future__ import annotations
 
 import datetime as dt
+import html
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ class ProfilesTab(QWidget):
         self.list_widget.setCurrentRow(row if self.profiles else -1)
         self._show_selected()
         if self.problems:
-            lines = "<br>".join(f"• <b>{p.path.name}</b>: {_html(p.message)}" for p in self.problems)
+            lines = "<br>".join(f"• <b>{p.path.name}</b>: {html.escape(p.message, quote=False)}" for p in self.problems)
             self.problems_label.setText(f"Skipped {len(self.problems)} bad profile file(s):<br>{lines}")
             self.problems_label.show()
         else:
@@ -361,7 +362,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
     return str(value)
-
-
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -8,6 +8,7 @@ widgets. Plots and text redraw on their own timers.
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
@@ -484,7 +485,7 @@ class MainWindow(QMainWindow):
             context, "Problem"
         )
         self.last_error = f"{what}: {message}"
-        self.error_label.setText(f"<b>{what}</b>: {_html(message)}")
+        self.error_label.setText(f"<b>{what}</b>: {html.escape(message, quote=False)}")
         self.error_banner.show()
         self.statusBar().showMessage(self.last_error, 10000)
 
@@ -582,7 +583,3 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt's name)
         self.shutdown()
         super().closeEvent(event)
-
-
-def _html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

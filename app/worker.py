@@ -266,34 +266,31 @@ class EngineWorker(QObject):
         if key.device == "cpu":
             leave_a_core_for_the_window()
         t0 = time.perf_counter()
-        try:
+        try:  # the load and the session on it (its buffers can be what does not fit)
             devices = key.devices
             engine = Engine.load(
                 key.model_dir, device=devices[0], dtype=key.dtype, devices=devices if len(devices) > 1 else None
             )
+            session = engine.new_session()
+            memory = dict(engine.memory())
         except Exception as exc:  # ModelLoadError, EngineError, or a bug: shown, never fatal
             self.errored.emit("load", _one_line(exc))
             return False
         self.engine = engine
         self.loaded_key = key
-        session = engine.new_session()
         with self._settings_lock:
             self._session = session
             if self._pending_settings is not None:
                 self._pending_settings = _fitted(
                     self._pending_settings, self._sub_vocab_fraction, engine.info["vocab_size"]
                 )
-            if self._pending_settings is not None:
                 session.settings = self._pending_settings
-        self.loaded.emit(LoadedModel(key, dict(engine.info), dict(engine.memory()), time.perf_counter() - t0))
+        self.loaded.emit(LoadedModel(key, dict(engine.info), memory, time.perf_counter() - t0))
         return True
 
     @Slot(object)
     def _do_load(self, key: ModelKey) -> None:
-        try:
-            self._ensure_loaded(key)
-        except Exception as exc:
-            self.errored.emit("load", _one_line(exc))
+        self._ensure_loaded(key)
 
     @Slot(object)
     def _do_run(self, request: RunRequest) -> None:
