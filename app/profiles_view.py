@@ -287,15 +287,21 @@ class ProfilesTab(QWidget):
         profile.notes = self.notes_edit.toPlainText()
         self._do(lambda: self.store.save(profile), f"Saved notes of {profile.name!r}")
 
-    def record_bench(self, name: str, figures: dict[str, Any]) -> bool:
-        """Store a bench's figures in a user profile (shipped ones are read-only: skipped)."""
-        profile = self.store.find(name)
-        if profile is None or profile.shipped:
-            return False
-        profile.bench = figures
-        self.store.save(profile)
-        self.reload()
-        return True
+    def record_bench(self, figures_by_name: dict[str, dict[str, Any]]) -> list[str]:
+        """Store a bench's figures in the user profiles of those names (shipped ones are read-only:
+        skipped), then reload the list once. Returns the names stored."""
+        wanted = {name.strip().casefold(): figures for name, figures in figures_by_name.items()}
+        stored = []
+        for profile in self.profiles:
+            figures = wanted.get(profile.name.casefold())
+            if figures is None or profile.shipped:
+                continue
+            profile.bench = figures
+            self.store.save(profile)
+            stored.append(profile.name)
+        if stored:
+            self.reload()
+        return stored
 
     def _do(self, action: Callable[[], Any], done_message: str, reload: bool = True) -> Any:
         try:

@@ -175,7 +175,7 @@ class MainWindow(QMainWindow):
         self._build_menu()
 
         # ---- the engine thread and the monitor thread
-        self.worker = EngineWorker()
+        self.worker = EngineWorker(self.workloads)
         self.worker.load_started.connect(self._on_load_started)
         self.worker.loaded.connect(self._on_loaded)
         self.worker.started.connect(self._on_run_started)
@@ -467,8 +467,9 @@ class MainWindow(QMainWindow):
             return
         # Arms are named after their profiles (a profile benched against itself gets "(A)" /
         # "(B)" appended, matches no profile, and so stores nothing).
-        for arm_name in [arm.name for arm in report.arms]:
-            self.profiles_tab.record_bench(arm_name, self.bench_tab.figures_for(arm_name, self.model_info))
+        self.profiles_tab.record_bench(
+            {arm.name: self.bench_tab.figures_for(arm.name, self.model_info) for arm in report.arms}
+        )
 
     # ------------------------------------------------------------------ monitor
 

@@ -175,7 +175,8 @@ class EngineWorker(QObject):
     _load_requested = Signal(object)
     _bench_requested = Signal(object)
 
-    def __init__(self) -> None:
+    def __init__(self, workloads: dict[str, Any] | None = None) -> None:
+        """workloads: the fixed workloads as the window loaded them (read here on first use when None)."""
         super().__init__()
         self.engine: Any = None  # touched only on the worker thread
         self.loaded_key: ModelKey | None = None
@@ -183,7 +184,7 @@ class EngineWorker(QObject):
         self._settings_lock = threading.Lock()
         self._pending_settings: Any = None
         self._sub_vocab_fraction: float | None = None
-        self._workloads: dict[str, Any] | None = None
+        self._workloads = workloads
         self._stop = threading.Event()
         self.frame_gate = FrameGate()
         self._run_counter = 0
