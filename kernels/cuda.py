@@ -505,6 +505,9 @@ def attention_cached(
     return out
 
 
+_PREP_MAX_D = 1024  # attn_prep keeps a row in shared memory (PREP_MAX_D in the kernel source)
+
+
 def attn_prep(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -529,7 +532,7 @@ def attn_prep(
         or k_cache.shape != v_cache.shape
         or q.shape[2] != k.shape[2]
         or q.shape[0] != k.shape[0]
-        or q.shape[2] > 8 * _PREP_MAX_THREADS
+        or q.shape[2] > _PREP_MAX_D
         or q_weight.numel() != q.shape[2]
         or k_weight.numel() != k.shape[2]
         or 2 * inv_freq.numel() > q.shape[2]
@@ -583,9 +586,6 @@ def attn_prep(
         ),
     )
     return out
-
-
-_PREP_MAX_THREADS = 128  # attn_prep rows: D <= 8 * 128 = 1024 (the kernel's shared row)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -247,6 +247,19 @@ GATED_RMSNORM(gated_rmsnorm_wf_gf, float, float)
 // ------------------------------------------------------------------------------------------------
 // rope_partial: one thread per output element of [T, H, D] (output contiguous).
 // ------------------------------------------------------------------------------------------------
+// Element d of a RoPE'd row (NeoX pairs d, d +- half; dims >= 2 * half pass through), given the row's
+// element x_d and its pair element x_p: the arithmetic of rope_partial, shared with attn_prep.
+__device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half, long long pos,
+                                           const float* __restrict__ inv_freq) {
+    if (d >= 2 * half) return x_d;
+    const int i = d < half ? d : d - half;
+    const float f = (float)pos * inv_freq[i];  // positions.float() * inv_freq
+    const float c = rnd<scalar_t>(cosf(f));     // emb.cos().to(dtype)
+    const float s = rnd<scalar_t>(sinf(f));
+    const float rv = d < half ? -x_p : x_p;     // rotate_half
+    return rnd<scalar_t>(x_d * c) + rnd<scalar_t>(rv * s);
+}
+
 extern "C" __global__ void rope_partial(const scalar_t* __restrict__ x, long long xs0, long long xs1,
                                         const long long* __restrict__ pos, const float* __restrict__ inv_freq,
                                         scalar_t* __restrict__ y, int T, int H, int D, int half) {
@@ -257,19 +270,9 @@ extern "C" __global__ void rope_partial(const scalar_t* __restrict__ x, long lon
     const int h = (int)((idx / D) % H);
     const int t = (int)(idx / ((long long)D * H));
     const scalar_t* xr = x + t * xs0 + h * xs1;
-    float out;
-    if (d < 2 * half) {
-        const int i = d < half ? d : d - half;
-        const float f = (float)pos[t] * inv_freq[i];  // positions.float() * inv_freq
-        const float c = rnd<scalar_t>(cosf(f));         // emb.cos().to(dtype)
-        const float s = rnd<scalar_t>(sinf(f));
-        const float xv = to_f(xr[d]);
-        const float rv = d < half ? -to_f(xr[d + half]) : to_f(xr[d - half]);  // rotate_half
-        out = rnd<scalar_t>(xv * c) + rnd<scalar_t>(rv * s);
-    } else {
-        out = to_f(xr[d]);
-    }
-    y[idx] = from_f<scalar_t>(out);
+    const int p = d < half ? d + half : d - half;
+    const float x_p = d < 2 * half ? to_f(xr[p]) : 0.f;
+    y[idx] = from_f<scalar_t>(rope_elem(to_f(xr[d]), x_p, d, half, pos[t], inv_freq));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1024,17 +1027,8 @@ __device__ __forceinline__ void attn_prep_impl(const scalar_t* __restrict__ q, l
     for (int u = 0; u < NORM_REG; ++u) {
         const int i = threadIdx.x + u * nt;
         if (i >= D) continue;
-        float o;
-        if (i < 2 * half) {
-            const int f_i = i < half ? i : i - half;
-            const float f = (float)pos * inv_freq[f_i];  // positions.float() * inv_freq
-            const float c = rnd<scalar_t>(cosf(f));
-            const float sn = rnd<scalar_t>(sinf(f));
-            const float rv = i < half ? -sy[i + half] : sy[i - half];  // rotate_half
-            o = rnd<scalar_t>(sy[i] * c) + rnd<scalar_t>(rv * sn);
-        } else {
-            o = sy[i];
-        }
+        const float x_p = i < 2 * half ? sy[i < half ? i + half : i - half] : 0.f;
+        const float o = rope_elem(sy[i], x_p, i, half, pos, inv_freq);
         if (is_q) {
             dst[i] = from_f<scalar_t>(o);
         } else if (in_ctx) {
