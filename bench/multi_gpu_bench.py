@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
