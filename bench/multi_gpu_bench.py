@@ -35,7 +35,15 @@ from engine import Engine, EngineSettings, bundled_model_dir  # noqa: E402
 from engine.workloads import load_workloads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import IdsOnly, random_9b_engine, run_prompts, save, say, workload_prompts  # noqa: E402
+from gpu_bench import (  # noqa: E402
+    IdsOnly,
+    random_9b_engine,
+    random_9b_weights,
+    run_prompts,
+    save,
+    say,
+    workload_prompts,
+)
 
 
 def tps(eng: Engine, settings: EngineSettings, n: int) -> tuple[float, list]:
@@ -142,6 +150,22 @@ def run_9b(devices: list[str], n: int) -> None:
     del one
     torch.cuda.empty_cache()
     say(f"1 GPU                         {t1:9.1f} t/s")
+    # The bound of a 2-way split without communication: one rank's shapes (half the heads and MLP
+    # columns, the whole head as with mirror on) on one GPU, no all-reduce at all.
+    half = {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "intermediate_size": 6144,
+    }
+    rank_shapes = Engine.from_factory(
+        random_9b_weights, (half,), IdsOnly(), Path("rank-shape"), 2048, [torch.device(devices[0])]
+    )
+    tr, _ = tps(rank_shapes, target, n)
+    del rank_shapes
+    torch.cuda.empty_cache()
+    say(f"1 GPU, one rank's shapes, no communication (the bound of 2 GPUs) {tr:9.1f} t/s  {tr / t1:5.2f}x")
     tp = random_9b_engine(devices)
     for label, settings in (
         ("mirror on", target),

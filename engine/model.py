@@ -108,11 +108,23 @@ class Model:
             return fn(x, weight)
         return F.linear(x, weight)
 
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection: this rank's partial product, summed over the ranks. Where the sum
+        goes through symmetric memory, cuBLAS writes the partial straight into the shared buffer."""
+        g = self.group
+        if not g.active:
+            return self.linear(x, weight)
+        out = g.symmetric_out(x.shape[0], weight.shape[0], x.dtype)
+        if out is None or (self._one_token_linear is not None and x.shape[0] == 1):
+            return g.all_reduce(self.linear(x, weight))
+        torch.mm(x, weight.t(), out=out)
+        return g.reduce_symmetric(out)
+
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
         h = ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"]))
-        return self.group.all_reduce(self.linear(h, w[p + "mlp.down_proj.weight"]))
+        return self.row_parallel(h, w[p + "mlp.down_proj.weight"])
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -139,7 +151,7 @@ class Model:
             start,
         )
         out = ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate)
-        return self.group.all_reduce(self.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"]))
+        return self.row_parallel(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
 
     def _delta_net(
         self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
@@ -158,7 +170,7 @@ class Model:
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
         o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return self.group.all_reduce(self.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"]))
+        return self.row_parallel(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
 
     # ---- target -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:

@@ -147,6 +147,7 @@ class Group:
         self.calls = 0
         self.symm: dict[int, str] = {}  # rows -> "symm" where symmetric memory won for that size
         self._symm_buf: torch.Tensor | None = None
+        self._half = 0
         self._group_name = ""
         self.backend_table: dict[int, dict[str, float]] = {}
 
@@ -163,6 +164,7 @@ class Group:
         self.calls += 1
         rows = x.shape[0] if x.dim() > 1 else 1
         if self._symm_buf is not None and self.symm.get(rows) == "symm" and x.is_contiguous():
+            self.calls -= 1  # counted by reduce_symmetric
             return self._symm_reduce(x)
         dist.all_reduce(x)
         return x
@@ -179,10 +181,27 @@ class Group:
 
     # ---- symmetric memory (CUDA only) ---------------------------------------------------------------
     def _symm_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        buf = self._symm_buf[:n]
-        buf.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self._group_name).view_as(x)
+        out = self.symmetric_out(x.shape[0], x.numel() // x.shape[0], x.dtype).view(x.shape)
+        out.copy_(x)
+        return self.reduce_symmetric(out)
+
+    def symmetric_out(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A [rows, cols] view of the symmetric buffer to write a partial into, when sums of this many
+        rows go through symmetric memory; else None. Consecutive sums use alternate halves of the buffer,
+        so a partial is never written where a peer may still be reading the previous one (the next sum's
+        barrier orders the one after)."""
+        buf = self._symm_buf
+        half = buf.numel() // 2 if buf is not None else 0
+        if buf is None or self.symm.get(rows) != "symm" or buf.dtype != dtype or rows * cols > half:
+            return None
+        self._half ^= 1
+        start = self._half * half
+        return buf[start : start + rows * cols].view(rows, cols)
+
+    def reduce_symmetric(self, out: torch.Tensor) -> torch.Tensor:
+        """The one-shot sum of a partial already in the symmetric buffer (a new tensor)."""
+        self.calls += 1
+        return torch.ops.symm_mem.one_shot_all_reduce(out, "sum", self._group_name)
 
     def setup_symmetric(self, max_elems: int, dtype: torch.dtype) -> str:
         """Allocate the symmetric buffer (a collective call on every rank). Returns '' or why not."""

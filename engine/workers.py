@@ -141,7 +141,7 @@ def setup_collectives(model, hidden: int, dtype: torch.dtype, allow_symmetric: b
         return {"all_reduce": "gloo"}
     if not allow_symmetric:
         return {"all_reduce": "nccl", "symmetric_memory": "not again in this process (first engine only)"}
-    why = group.setup_symmetric(32 * hidden, dtype)
+    why = group.setup_symmetric(2 * 32 * hidden, dtype)  # two halves of 32 rows
     if why:
         return {"all_reduce": "nccl", "symmetric_memory": f"unavailable ({why})"}
     try:
