@@ -29,7 +29,11 @@ KNOB_KEYS = {
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the bundled model)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N, or several comma-separated (cuda:0,cuda:1: tensor parallel) (default: cpu)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument(
@@ -94,7 +98,15 @@ def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, En
 def _load_engine(a: argparse.Namespace):
     from .engine import Engine
 
-    return Engine.load(a.model, device=a.device, dtype=a.dtype, max_context=a.max_context, gemm=a.gemm)
+    devices = [d.strip() for d in a.device.split(",") if d.strip()]
+    return Engine.load(
+        a.model,
+        device=devices[0] if devices else a.device,
+        dtype=a.dtype,
+        max_context=a.max_context,
+        gemm=a.gemm,
+        devices=devices if len(devices) > 1 else None,
+    )
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

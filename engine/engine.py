@@ -28,7 +28,15 @@ from .spec import check_fits, prefill, run_round
 from .state import Session
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
-from .workers import Cluster, LeaderRounds, build_model, init_group, leader_drafter, setup_collectives
+from .workers import (
+    Cluster,
+    LeaderRounds,
+    build_model,
+    init_group,
+    leader_drafter,
+    setup_collectives,
+    split_note,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MEMORY_KEYS = ("weights", "kv_cache", "snapshot_planes", "graph_pools", "workspace")
@@ -267,6 +275,7 @@ class Engine:
             cluster.close("the load failed")
             raise
         eng.tokenizer, eng.model_dir = tokenizer, model_dir
+        eng.collectives["note"] = split_note(eng.model, eng.collectives)
         eng.cluster = cluster
         eng.model.watch = cluster.check
         weakref.finalize(eng, cluster.close)

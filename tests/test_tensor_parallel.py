@@ -206,12 +206,43 @@ def test_a_lost_worker_is_one_line_within_ten_seconds_and_the_engine_loads_again
         _close(again)
 
 
-def test_a_failing_worker_load_is_one_line(tmp_path):
+def fails_in_workers(device, model_dir):
+    """A model factory that works in the caller's process and fails in every worker process."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("specdeck-rank"):
+        raise OSError("disk read error on shard 2 (simulated)")
+    from engine.config import ModelConfig
+    from engine.loader import load_weights
+
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    weights, has_mtp = load_weights(model_dir, cfg, device, torch.float32)
+    return cfg, weights, has_mtp
+
+
+def test_a_failing_worker_load_is_one_line_naming_the_worker(model_dir, single):
     """A split that cannot work is refused before any worker starts; a worker that fails to load is
-    reported with its own message."""
-    d = write_tiny_model(tmp_path / "m", seed=1)
+    reported with its own message, and its process is gone."""
     with pytest.raises(EngineError, match="would hold no head"):
-        Engine.load(d, devices=["cpu"] * 5)
+        Engine.load(model_dir, devices=["cpu"] * 13)
+    with pytest.raises(EngineError) as err:
+        Engine.from_factory(fails_in_workers, (model_dir,), single.tokenizer, model_dir, 256, [torch.device("cpu")] * 2)
+    message = str(err.value)
+    assert "worker rank 1" in message and "disk read error on shard 2" in message and "\n" not in message
+    import multiprocessing
+
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("specdeck-rank")]
+
+
+def test_the_command_line_splits_over_comma_separated_devices(model_dir, greedy, capsys):
+    from engine.cli import main
+
+    args = ["generate", "--model", str(model_dir), "--device", "cpu,cpu", "-n", "24", "--json"]
+    assert main([*args, "--prompt", PROMPT]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == greedy and out["stats"]["devices"] == 2
 
 
 @pytest.mark.gpu
