@@ -22,6 +22,7 @@ from .gemm import check_mode as check_gemm
 from .loader import DTYPES, load_weights
 from .model import Model
 from .plans import PlanPool
+from .sampling import SamplingParams, active
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import check_fits, prefill, run_round
 from .state import Session
@@ -307,10 +308,11 @@ class Engine:
         max_new_tokens: int,
         settings: EngineSettings | None = None,
         session: Session | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerateResult:
         tokens: list[int] = []
         stats: dict[str, Any] = {}
-        for ev in self.stream(prompt, max_new_tokens, settings, session):
+        for ev in self.stream(prompt, max_new_tokens, settings, session, sampling=sampling):
             tokens.extend(ev.tokens)
             stats = ev.run
         return GenerateResult(tokens, self.tokenizer.decode(tokens), stats)
@@ -321,8 +323,15 @@ class Engine:
         max_new_tokens: int,
         settings: EngineSettings | None = None,
         session: Session | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[RoundEvent]:
-        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary."""
+        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary.
+        `sampling`: None or temperature 0 = greedy; else tokens are drawn (speculative sampling keeps the
+        target's distribution; see engine/sampling.py)."""
+        try:
+            sampling = active(sampling)
+        except TypeError as exc:
+            raise EngineError(str(exc)) from None
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sess = session or self.default_session
@@ -334,9 +343,11 @@ class Engine:
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
         sess._clear_cancel()  # here, not in the generator: a cancel right after stream() returns counts
-        return self._run(sess, ids, max_new_tokens)
+        return self._run(sess, ids, max_new_tokens, sampling)
 
-    def _run(self, sess: Session, ids: list[int], max_new_tokens: int) -> Iterator[RoundEvent]:
+    def _run(
+        self, sess: Session, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
+    ) -> Iterator[RoundEvent]:
         try:
             state = sess.state
             if ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens:
@@ -367,6 +378,7 @@ class Engine:
                         self.tokenizer.eos_token_ids,
                         lambda: sess.cancelled,
                         sess.test_drafter,
+                        sampling,
                     )
                 if out.cancelled:
                     stats.stop_reason = "cancelled"

@@ -29,6 +29,10 @@ from .reference import Start
 
 # The chunked (GEMM) form of the delta rule is used only for prefill and stays PyTorch.
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
+# Sampling ops: the references are capture-safe (no host sync); kernels replace them below.
+sample_probs = reference.sample_probs
+sample_token = reference.sample_token
+spec_accept = reference.spec_accept
 
 try:  # CuPy is optional: specdeck[cuda12] / specdeck[cuda13]
     import cupy as _cp
