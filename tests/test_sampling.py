@@ -401,3 +401,76 @@ def test_tensor_parallel_draws_the_same_tokens(tiny_model_dir, eng):
     for settings in (EngineSettings(draft_depth=3), EngineSettings(draft_depth=3, mirror_output=False)):
         want = eng.generate(PROMPT, 24, settings, eng.new_session(), sampling=sp).tokens
         assert tp.generate(PROMPT, 24, settings, tp.new_session(), sampling=sp).tokens == want
+
+
+# ---- CLI, profiles, bench arms ----------------------------------------------------------------------------------
+def test_cli_generate_samples_reproducibly(tiny_model_dir, capsys):
+    import json
+
+    from engine.cli import main
+
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", PROMPT, "-n", "12", "--json"]
+    hot = ["--temperature", "4", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.01", "--seed", "9"]
+    runs = []
+    for extra in (hot, hot, [*hot[:-1], "10"], []):
+        assert main([*args, *extra]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert runs[0] == runs[1] != runs[2]
+    greedy = Engine.load(tiny_model_dir).generate(PROMPT, 12, EngineSettings()).tokens
+    assert runs[3] == greedy  # no --temperature: greedy
+
+
+def test_cli_bad_sampling_flag_is_one_line(tiny_model_dir, capsys):
+    from engine.cli import main
+
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdeck: error: top_p") and err.count("\n") == 1
+
+
+def test_cli_bench_arm_differs_in_sampling(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from engine.cli import main
+
+    js = tmp_path / "r.json"
+    args = ["bench", "--model", str(tiny_model_dir), "--rounds", "1", "-n", "6", "--workloads", "prose,code_gen"]
+    assert main([*args, "--vs", "temperature=0.8,seed=3,depth=4", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "sampled arms" in out and "outputs identical across arms" in out
+    report = json.loads(js.read_text())
+    assert "sampling" not in report["arms"][0]
+    assert report["arms"][1]["sampling"] == SamplingParams(temperature=0.8, seed=3).to_dict()
+    assert report["arms"][1]["settings"]["draft_depth"] == 4
+    with pytest.raises(ValueError, match="temperature"):
+        from engine.cli import parse_arm_sampling
+
+        parse_arm_sampling("temperature=hot", None)
+
+
+def test_profile_sampling_part(tmp_path, monkeypatch):
+    from engine import profiles as P
+
+    monkeypatch.setenv(P.CONFIG_DIR_ENV, str(tmp_path / "config"))
+    store = P.ProfileStore(shipped_dir=None)
+    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3)
+    saved = store.save(P.Profile(name="warm", settings=EngineSettings(draft_depth=5), sampling=sp))
+    back = store.get("warm")
+    assert back.sampling == sp and back.settings.draft_depth == 5
+    assert "[sampling]" in saved.path.read_text()
+    store.save(P.Profile(name="cold", settings=EngineSettings()))
+    assert store.get("cold").sampling is None and "[sampling]" not in store.get("cold").path.read_text()
+    from engine.cli import parse_arm_sampling
+
+    assert parse_arm_sampling(str(saved.path), None) == sp
+    good = P.Profile(name="x", settings=EngineSettings(), sampling=sp).to_toml_dict()
+    for change, message in [
+        ({"top_p": 2.0}, "sampling.top_p"),
+        ({"warmth": 1}, "sampling.warmth"),
+    ]:
+        data = {**good, "sampling": {**good["sampling"], **change}}
+        with pytest.raises(P.ProfileError, match=message):
+            P.parse_profile(data, "f.toml")
+    data = {**good, "sampling": {k: v for k, v in good["sampling"].items() if k != "seed"}}
+    with pytest.raises(P.ProfileError, match="missing sampling setting.*sampling.seed"):
+        P.parse_profile(data, "f.toml")
