@@ -212,6 +212,7 @@ class Engine:
         Cached: recounted only when what it depends on changes (sessions, plan pools, mirroring)."""
         sessions = self._sessions()
         key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
+        key += (sum(getattr(s.state, "sampling_buffers", None) is not None for s in sessions),)
         cached = getattr(self, "_memory_cache", None)
         if cached is not None and cached[0] == key:
             return dict(cached[1])
@@ -240,6 +241,9 @@ class Engine:
         for sess in self._sessions():
             for key, tensors in sess.state.buffers().items():
                 add(tensors, key)
+            sampling_buffers = getattr(sess.state, "sampling_buffers", None)  # made at the first sampled round
+            if sampling_buffers is not None:
+                add(sampling_buffers.tensors(), "workspace")
             if sess.plans.pool_bytes:
                 entry = out.setdefault(str(self.model.device), dict.fromkeys(MEMORY_KEYS, 0))
                 entry["graph_pools"] += sess.plans.pool_bytes

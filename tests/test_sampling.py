@@ -474,3 +474,12 @@ def test_profile_sampling_part(tmp_path, monkeypatch):
     data = {**good, "sampling": {k: v for k, v in good["sampling"].items() if k != "seed"}}
     with pytest.raises(P.ProfileError, match="missing sampling setting.*sampling.seed"):
         P.parse_profile(data, "f.toml")
+
+
+def test_sampling_buffers_are_counted_in_memory(tiny_model_dir):
+    eng = Engine.load(tiny_model_dir)
+    sess = eng.new_session()
+    before = eng.memory()["workspace"]
+    eng.generate(PROMPT, 4, EngineSettings(), sess, sampling=SamplingParams(seed=1))
+    q_bytes = sess.state.sampling_buffers.q_buf.numel() * 4
+    assert eng.memory()["workspace"] >= before + q_bytes
