@@ -13,6 +13,11 @@ Data flow of one round (the same code on every device; on CUDA the two device ph
         emitted count, the tokens and the new cache length into device buffers
   read  out_buf -> pinned host memory: the round's one device-to-host synchronisation
   host  tags the snapshot planes, rolls back to the accepted length, applies EOS and the token budget
+
+Sampled rounds (`sampling` with temperature > 0, engine/sampling.py) keep this flow: the draft draws each token
+from its processed distribution q (its row kept in the session's q_buf), the verify turns the target's rows into
+p and `spec_accept` applies the speculative-sampling rule, writing the same out_buf; random numbers come from a
+hash of (seed_buf, start_buf, slot, purpose), so graphs replay without the host.
 """
 
 from __future__ import annotations
