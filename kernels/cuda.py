@@ -840,6 +840,7 @@ _SAMPLING_SRC = Path(__file__).resolve().parent / "cuda_src" / "sampling_kernels
 _SAMPLING_KERNELS = ("sample_probs_rows", "sample_token_rows", "spec_accept_k")
 _sampling_fns: dict[tuple[int, str], object] = {}
 _sampling_modules: dict[int, object] = {}
+_sampling_failed: dict[int, str] = {}  # device -> why its sampling module did not compile or load
 _SK_THREADS = 1024
 
 
@@ -859,6 +860,25 @@ def _sampling_function(dev: int, name: str):
                     fn = mod.get_function(name).kernel
                 _sampling_fns[key] = fn
     return fn
+
+
+def _sampling_ready(device: torch.device) -> bool:
+    """Whether the sampling kernels run on `device`. A module that does not compile or load is reported once
+    (a warning) and the ops take their references (capture-safe, slower); `sampling_kernels()` says why."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev in _sampling_failed:
+        return False
+    if all((dev, name) in _sampling_fns for name in _SAMPLING_KERNELS):
+        return True
+    try:
+        for name in _SAMPLING_KERNELS:
+            _sampling_function(dev, name)
+    except Exception as exc:  # noqa: BLE001 - any failure means "use the references"
+        _sampling_failed[dev] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        message = f"SpecDeck sampling kernels unavailable ({_sampling_failed[dev]}); using the PyTorch references"
+        warnings.warn(message, stacklevel=3)
+        return False
+    return True
 
 
 def _launch_sampling(name: str, device: torch.device, grid, args) -> None:
@@ -881,7 +901,7 @@ def _f32_rows(x: torch.Tensor) -> torch.Tensor:
 def sample_probs(
     logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> torch.Tensor:
-    if not _cuda_ok(logits) or logits.dim() != 2 or logits.dtype not in _KIND:
+    if not _cuda_ok(logits) or logits.dim() != 2 or logits.dtype not in _KIND or not _sampling_ready(logits.device):
         return reference.sample_probs(logits, n, temperature, top_k, top_p, min_p)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
@@ -911,7 +931,7 @@ def sample_probs(
 def sample_token(
     probs: torch.Tensor, seed: torch.Tensor, start: Start, slot: int, purpose: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _cuda_ok(probs, seed) or probs.dim() != 2 or seed.dtype != torch.int64:
+    if not _cuda_ok(probs, seed) or probs.dim() != 2 or seed.dtype != torch.int64 or not _sampling_ready(probs.device):
         return reference.sample_token(probs, seed, start, slot, purpose)
     t, n = probs.shape
     tok = torch.empty((t,), dtype=torch.int64, device=probs.device)
@@ -960,6 +980,7 @@ def spec_accept(
         or not out.is_contiguous()
         or q_rows.dim() != 2
         or p_rows.dim() != 2
+        or not _sampling_ready(p_rows.device)
     ):
         return reference.spec_accept(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
     n = drafts.shape[0]
@@ -995,13 +1016,12 @@ def spec_accept(
 
 def sampling_kernels() -> tuple[bool, str]:
     """Whether the sampling module compiles and loads on the current device (the ops use it when it does)."""
-    try:
-        dev = torch.cuda.current_device()
-        for name in _SAMPLING_KERNELS:
-            _sampling_function(dev, name)
-    except Exception as exc:  # noqa: BLE001
-        return False, f"{type(exc).__name__}: {exc}"
-    return True, "sampling kernels loaded"
+    if _cp is None:
+        return False, _CUPY_ERROR or "CuPy is not installed"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if _sampling_ready(dev):
+        return True, "sampling kernels loaded"
+    return False, _sampling_failed[dev.index]
 
 
 # ---- warm-up ------------------------------------------------------------------------------------------
@@ -1045,8 +1065,7 @@ def warm_up(device: torch.device | str | int, dtype: torch.dtype) -> None:
     dev, kind = device.index, _KIND[dtype]
     for name in _KERNELS_PER_DTYPE:
         _function(dev, kind, name)
-    for name in _SAMPLING_KERNELS:
-        _sampling_function(dev, name)
+    _sampling_ready(device)  # compiled and loaded here, or reported once and left to the references
     _sms(device)
     with torch.cuda.device(device):
         _exercise(device, dtype)

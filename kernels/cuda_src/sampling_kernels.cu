@@ -217,7 +217,7 @@ __device__ int block_draw(const W& w, int n, float u, float* wsum, int* pick) {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int chunk = (n + SK_THREADS - 1) / SK_THREADS;
     const int b = tid * chunk;
-    const int e = min(n, b + chunk);
+    const int e = n < b + chunk ? n : b + chunk;
     float part = 0.f;
     int last_nz = -1;
     for (int j = b; j < e; ++j) {
