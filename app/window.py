@@ -139,6 +139,7 @@ class MainWindow(QMainWindow):
         self.profiles_tab = ProfilesTab(
             self.store, self.knobs.settings, self.current_figures, lambda: list(self._gpu_names)
         )
+        self.profiles_tab.current_sampling = self.sampling_panel.sampling
         self.bench_tab = BenchTab(list(self.workloads))
 
         self.tabs = QTabWidget()

@@ -12,7 +12,8 @@ A profile file looks like this (every key but `notes`, `hardware` and `bench` is
     ...
     sub_vocab_fraction = 0.2157   # optional: sub_vocab as a fraction of the model's vocabulary
 
-    [sampling]                 # optional: SamplingParams.to_dict(), every field listed (absent = greedy)
+    [sampling]                 # optional: SamplingParams.to_dict(), every field listed; absent: the profile
+                               # says nothing about sampling (greedy unless set elsewhere)
     temperature = 0.7
     ...
 
@@ -94,7 +95,7 @@ class Profile:
     version: int = PROFILE_FORMAT_VERSION
     path: Path | None = None  # the file it was read from (None: not saved yet)
     shipped: bool = False  # from assets/profiles: read-only
-    sampling: SamplingParams | None = None  # None: greedy (the file has no [sampling] table)
+    sampling: SamplingParams | None = None  # None: no [sampling] table (sampling left as it is; greedy by default)
 
     def settings_for(self, vocab_size: int) -> EngineSettings:
         """The settings for a model with this vocabulary size (sub_vocab_fraction scaled to it)."""

@@ -43,3 +43,14 @@ def test_a_sampled_run_reaches_the_engine_and_is_reproducible(qtbot, window, tin
     greedy = tiny_engine.generate(prompt, 16, window.knobs.settings(), tiny_engine.new_session())
     assert expected.tokens != greedy.tokens
     assert window.output.plain_text().endswith(expected.text)
+
+
+def test_a_profile_saved_in_the_app_carries_the_sampling(window, monkeypatch):
+    sp = SamplingParams(temperature=0.9, top_k=30, seed=2)
+    window.sampling_panel.set_sampling(sp)
+    monkeypatch.setattr(window.profiles_tab, "ask_new_profile", lambda default: ("warm", ""))
+    saved = window.profiles_tab.save_current()
+    assert saved is not None and window.store.get("warm").sampling == sp
+    window.sampling_panel.set_sampling(None)
+    window.apply_profile(window.store.get("warm"))
+    assert window.sampling_panel.sampling() == sp
