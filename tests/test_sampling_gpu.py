@@ -240,19 +240,21 @@ def test_one_host_sync_per_sampled_round(engines):
     settings = EngineSettings(draft_depth=4, chain=True, plan_pool=16)
     sp = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, seed=1)
     sess = eng.new_session()
-    for seed in range(3):  # capture every plan the run below needs (the seed is not part of a plan)
-        eng.generate(prompt, 48, settings, sess, sampling=sp.replace(seed=100 + seed))
+    eng.generate(prompt, 48, settings, sess, sampling=sp.replace(seed=100))  # another seed: the same plans
     sess.reset()
-    rounds = 0
+    eng.generate(prompt, 48, settings, sess, sampling=sp)  # the run below, exactly: every plan it needs
+    sess.reset()
+    rounds = misses = 0
     stream = eng.stream(prompt, 48, settings, sess, sampling=sp)
     next(stream)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in stream:
+        for ev in stream:
             rounds += 1
+            misses += ev.plan_misses
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert rounds > 3
+    assert rounds > 3 and misses == 0
 
 
 def test_engine_first_two_tokens_on_gpu(engines):
