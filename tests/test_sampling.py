@@ -316,6 +316,7 @@ E2E_SAMPLES = 400
 
 def _groups(p: torch.Tensor) -> dict[int, int]:
     """id -> group 0..3 for the support of p: sorted by probability, cut at cumulative mass 1/4, 1/2, 3/4."""
+    p = p.cpu()
     order = torch.argsort(p, descending=True, stable=True)
     out, mass = {}, 0.0
     for i in order.tolist():
@@ -338,12 +339,12 @@ def e2e_exact(eng):
 def e2e_cells(eng):
     """(prompt ids, exact cell probabilities, the map from a token pair to its cell)."""
     ids = eng.tokenizer.encode(PROMPT)
-    first = _process(eng, ids, E2E_SAMPLING)
+    first = _process(eng, ids, E2E_SAMPLING).cpu()
     g1 = _groups(first)
     cells: dict = {}
     g2 = {}
     for x, a in g1.items():
-        second = _process(eng, [*ids, x], E2E_SAMPLING)
+        second = _process(eng, [*ids, x], E2E_SAMPLING).cpu()
         g2[x] = _groups(second)
         for y, b in g2[x].items():
             cells[(a, b)] = cells.get((a, b), 0.0) + float(first[x]) * float(second[y])
