@@ -178,47 +178,54 @@ class IdsOnly:
         raise ValueError("token ids only")
 
 
-def random_9b_engine(devices: list[str] | None = None) -> Engine:
-    """A random model of Qwen3.5-9B-like shapes, built in memory (bf16); split over `devices` if several."""
-    raw = {
-        "model_type": "qwen3_5_text",
-        "vocab_size": 32768,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": False,
-        "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    }
-    cfg = ModelConfig.from_dict(raw)
+RANDOM_9B = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 32768,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+
+
+def random_9b_weights(device: torch.device, overrides: dict | None = None):
+    """(cfg, weights, has_mtp) of a random model of Qwen3.5-9B-like shapes (bf16), built on `device` from a
+    fixed seed: every process that calls it gets the same weights (a worker rank builds its own copy)."""
+    cfg = ModelConfig.from_dict(RANDOM_9B | (overrides or {}))
     target, _ = expected_shapes(cfg)
-    devs = [torch.device(d) for d in devices] if devices else [torch.device("cuda")]
-    build_on = devs[0]
-    g = torch.Generator(device=build_on).manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     w = {}
     for name, shape in target.items():
         if name.endswith("A_log"):
-            w[name] = torch.log(torch.rand(shape, device=build_on, generator=g) * 8 + 0.5)
+            w[name] = torch.log(torch.rand(shape, device=device, generator=g) * 8 + 0.5)
         elif name.endswith(FP32_SUFFIXES):  # kept in fp32, as the loader keeps them
-            t = torch.randn(shape, device=build_on, generator=g, dtype=torch.float32) * 0.05
+            t = torch.randn(shape, device=device, generator=g, dtype=torch.float32) * 0.05
             w[name] = t + 1 if "linear_attn.norm" in name else t
         else:
             fan_in = shape[-1]
-            t = torch.randn(shape, device=build_on, generator=g, dtype=torch.bfloat16)
+            t = torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
             w[name] = t.mul_(fan_in**-0.5) if len(shape) > 1 and "embed" not in name else t
     for name in list(w):
         if name.endswith("conv1d.weight"):  # [C, 1, K] -> [C, K], as load_weights returns it
             w[name] = w[name][:, 0, :].contiguous()
-    eng = Engine.from_weights(cfg, w, False, IdsOnly(), Path("random-9b-shape"), 2048, devs)
-    del w
+    return cfg, w, False
+
+
+def random_9b_engine(devices: list[str] | None = None) -> Engine:
+    """A random model of Qwen3.5-9B-like shapes, built in memory (bf16); split over `devices` if several
+    (one process per device, each building its own shard)."""
+    devs = [torch.device(d) for d in devices] if devices else [torch.device("cuda")]
+    eng = Engine.from_factory(random_9b_weights, (), IdsOnly(), Path("random-9b-shape"), 2048, devs)
     torch.cuda.empty_cache()
     return eng
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import time
 import weakref
@@ -28,6 +29,7 @@ from .spec import check_fits, prefill, run_round
 from .state import Session
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
+from .workers import Cluster, LeaderRounds, build_model, init_group, leader_drafter, setup_collectives
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MEMORY_KEYS = ("weights", "kv_cache", "snapshot_planes", "graph_pools", "workspace")
@@ -87,6 +89,21 @@ class _StreamText:
         return text
 
 
+_BASELINE: dict[int, int] = {}
+
+
+def process_bytes(device: torch.device) -> int:
+    """What this process holds on a GPU: PyTorch's reserved memory plus what lies outside PyTorch's
+    allocator (CUDA context, NCCL and symmetric-memory buffers), measured as the device's used memory
+    less reserved memory at first call after load (the engine's process is the GPU's only user then)."""
+    index = device.index or 0
+    reserved = torch.cuda.memory_reserved(device)
+    if index not in _BASELINE:
+        free, total = torch.cuda.mem_get_info(device)
+        _BASELINE[index] = max(0, (total - free) - reserved)
+    return reserved + _BASELINE[index]
+
+
 def _enable_kernels(dev: torch.device) -> str:
     """CUDA devices use the CuPy kernels; without CuPy (or with the wrong CUDA major) fall back to the
     PyTorch references with a one-line notice on stderr."""
@@ -101,6 +118,15 @@ def _enable_kernels(dev: torch.device) -> str:
     return "CUDA kernels"
 
 
+class _NoText:
+    """A worker rank's tokenizer: it never shows text; rank 0 sends the end-of-text ids with each run."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
 class Engine:
     """A loaded model. Use `Engine.load(...)`; the rest of this class is the public API."""
 
@@ -112,6 +138,12 @@ class Engine:
         self.max_context = max_context
         self.n_planes = MAX_DRAFT_DEPTH + 2
         self._default_session: Session | None = None
+        self.cluster: Cluster | None = None  # several devices: rank 0's handle on the worker ranks
+        self.collectives: dict[str, Any] = {}
+        self.kernel_notice = ""
+        self._session_ids = itertools.count(1)
+        self._memory_cache: tuple | None = None
+        self.report = None  # a worker rank: sends its memory count to rank 0 after each round
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
@@ -150,9 +182,10 @@ class Engine:
                 f"{path / 'tokenizer.json'}: tokenizer has {tokenizer.vocab_size} tokens, more than the "
                 f"model's vocab_size {cfg.vocab_size}"
             )
-        several_gpus = len({str(d) for d in devs}) > 1
+        if len(devs) > 1:
+            return cls._load_parallel(("dir", str(path), dtype), tokenizer, path, max_context, devs, gemm)
         try:
-            weights, has_mtp = load_weights(path, cfg, torch.device("cpu") if several_gpus else dev, DTYPES[dtype])
+            weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
         except torch.OutOfMemoryError:
             raise EngineError(
                 f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
@@ -171,19 +204,91 @@ class Engine:
         devices: list[torch.device],
         gemm: str = "cublas",
     ) -> Engine:
-        """An engine over weights already in memory (as `load_weights` returns them, or built in memory by a
-        benchmark): split tensor-parallel when several devices are given, CUDA kernels enabled when there."""
-        notice = _enable_kernels(devices[0])
+        """An engine over weights already in memory on one device (as `load_weights` returns them), CUDA
+        kernels enabled when there. Several devices: `from_factory` (each rank builds its own shard)."""
         if len(devices) > 1:
-            from .tp import TPModel
-
-            model = TPModel(cfg, weights, has_mtp, devices)
-        else:
-            model = Model(cfg, weights, has_mtp)
+            raise EngineError("from_weights takes one device; use Engine.from_factory for several")
+        notice = _enable_kernels(devices[0])
+        model = Model(cfg, weights, has_mtp)
         model.set_gemm(gemm)
         eng = cls(model, tokenizer, model_dir, max_context)
         eng.kernel_notice = notice
         return eng
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory,
+        args: tuple,
+        tokenizer,
+        model_dir: Path,
+        max_context: int,
+        devices: list[torch.device],
+        gemm: str = "cublas",
+    ) -> Engine:
+        """An engine over a model that `factory(device, *args) -> (cfg, weights, has_mtp)` builds (a module-level
+        function, so that worker processes can call it too): one device, or split over several."""
+        if len(devices) > 1:
+            return cls._load_parallel(("call", factory, args), tokenizer, model_dir, max_context, devices, gemm)
+        cfg, weights, has_mtp = factory(devices[0], *args)
+        return cls.from_weights(cfg, weights, has_mtp, tokenizer, model_dir, max_context, devices, gemm)
+
+    @classmethod
+    def _build_rank(cls, spec: dict, rank: int, devices: list[torch.device]) -> Engine:
+        """One rank's engine (rank 0's, or a worker's): its shard of the model, its kernels, no tokenizer."""
+        device = devices[rank]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        notice = _enable_kernels(device)
+        model = build_model(spec["source"], rank, devices)
+        model.set_gemm(spec["gemm"])
+        eng = cls(model, _NoText(), Path(str(spec.get("model_dir", ""))), spec["max_context"])
+        eng.kernel_notice = notice
+        return eng
+
+    @classmethod
+    def _load_parallel(cls, source: tuple, tokenizer, model_dir: Path, max_context: int, devices, gemm) -> Engine:
+        """Several devices: start one worker process per device after the first, load rank 0's shard here,
+        join the process group, then set up the collectives (see engine/workers.py)."""
+        kinds = {d.type for d in devices}
+        if len(kinds) > 1:
+            raise EngineError("devices must be all CUDA or all CPU, not a mix")
+        if kinds == {"cuda"} and len({d.index for d in devices}) < len(devices):
+            raise EngineError("each rank needs its own GPU; list every CUDA device once")
+        spec = {"source": source, "max_context": max_context, "gemm": gemm, "model_dir": str(model_dir)}
+        cluster = Cluster(devices, spec, torch.get_num_threads())
+        try:
+            eng = cls._build_rank(spec, 0, devices)
+            cluster.wait_for("loaded", 600)
+            init_group(0, len(devices), cluster.port, devices[0], cluster.name_index)
+            eng.collectives = setup_collectives(eng.model, eng.cfg.hidden_size, eng.model.dtype)
+            cluster.wait_for("ready", 120)
+        except torch.OutOfMemoryError:
+            cluster.close("the load failed")
+            raise EngineError(
+                f"{model_dir}: the model's shard does not fit in {devices[0]}'s free memory; use a smaller dtype"
+            ) from None
+        except BaseException:
+            cluster.close("the load failed")
+            raise
+        eng.tokenizer, eng.model_dir = tokenizer, model_dir
+        eng.cluster = cluster
+        eng.model.watch = cluster.check
+        weakref.finalize(eng, cluster.close)
+        return eng
+
+    def set_model_option(self, name: str, value) -> None:
+        """A model option that is not a user knob, on every rank (the bench's combine="gather")."""
+        self.model.set_option(name, value)
+        if self.cluster is not None:
+            self.cluster.send("option", name, value)
+        self._memory_cache = None
+
+    def close(self) -> None:
+        """Free the engine's worker processes and process group now (several devices; else nothing).
+        Dropping the engine does the same."""
+        if self.cluster is not None:
+            self.cluster.close()
 
     # ---- information ----------------------------------------------------------------------------
     @property
@@ -203,38 +308,57 @@ class Engine:
             "parameters": params,
             "max_context": self.max_context,
             "devices": self.model.device_names,
-            "kernels": getattr(self, "kernel_notice", ""),
+            "kernels": self.kernel_notice,
+            "collectives": self.collectives,
         }
 
     def memory(self) -> dict[str, int]:
         """Bytes per component, all devices together, counted from the tensors the engine holds.
 
         Cached: recounted only when what it depends on changes (sessions, plan pools, mirroring)."""
+        return dict(self._memory_counts()[0])
+
+    def _memory_counts(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+        """(total per component, per device): cached, recounted only when what they depend on changes
+        (sessions, plan pools, mirroring) — on several devices a recount asks every worker."""
+        by_device = self.local_memory()
+        if self.cluster is not None:
+            by_device = by_device | self.cluster.reports()
+        total = dict.fromkeys(MEMORY_KEYS, 0)
+        for per_device in by_device.values():
+            for name in MEMORY_KEYS:
+                total[name] += per_device.get(name, 0)
+        return total, by_device
+
+    def local_memory(self) -> dict[str, dict[str, int]]:
+        """This rank's `memory_by_device(local=True)`, recounted only when what it depends on changes
+        (sessions, plan pools, mirroring): the same object is returned while nothing did."""
         sessions = self._sessions()
         key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
         key += (sum(getattr(s.state, "sampling_buffers", None) is not None for s in sessions),)
-        cached = getattr(self, "_memory_cache", None)
-        if cached is not None and cached[0] == key:
-            return dict(cached[1])
-        total: dict[str, int] = {}
-        for per_device in self.memory_by_device().values():
-            for name, value in per_device.items():
-                total[name] = total.get(name, 0) + value
-        self._memory_cache = (key, total)
-        return dict(total)
+        if self._memory_cache is None or self._memory_cache[0] != key:
+            self._memory_cache = (key, self.memory_by_device(local=True))
+        return self._memory_cache[1]
 
-    def memory_by_device(self) -> dict[str, dict[str, int]]:
-        """Bytes per device and component: weights, kv_cache, snapshot_planes, graph_pools, workspace."""
+    def memory_by_device(self, local: bool = False) -> dict[str, dict[str, int]]:
+        """Bytes per device and component: weights, kv_cache, snapshot_planes, graph_pools, workspace; on
+        several devices every rank's own count (`local`: this rank's only). A CUDA device also reports
+        `process`, what this process holds there: PyTorch's reserved memory plus the CUDA context and
+        communication buffers (comparable to NVML's per-process figure)."""
         out: dict[str, dict[str, int]] = {}
         seen: set[int] = set()
+        label = self.model.device_names[self.model.group.rank]
 
         def add(tensors: list[torch.Tensor], key: str) -> None:
             for t in tensors:
-                if t.data_ptr() in seen:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen:
                     continue
-                seen.add(t.data_ptr())
-                entry = out.setdefault(str(t.device), dict.fromkeys(MEMORY_KEYS, 0))
-                entry[key] += t.numel() * t.element_size()
+                seen.add(storage.data_ptr())
+                entry = out.setdefault(
+                    label if t.device.type == self.model.device.type else str(t.device), dict.fromkeys(MEMORY_KEYS, 0)
+                )
+                entry[key] += storage.nbytes()
 
         for tensors in self.model.weight_tensors().values():
             add(tensors, "weights")
@@ -245,8 +369,12 @@ class Engine:
             if sampling_buffers is not None:
                 add(sampling_buffers.tensors(), "workspace")
             if sess.plans.pool_bytes:
-                entry = out.setdefault(str(self.model.device), dict.fromkeys(MEMORY_KEYS, 0))
+                entry = out.setdefault(label, dict.fromkeys(MEMORY_KEYS, 0))
                 entry["graph_pools"] += sess.plans.pool_bytes
+        if self.model.device.type == "cuda":
+            out.setdefault(label, dict.fromkeys(MEMORY_KEYS, 0))["process"] = process_bytes(self.model.device)
+        if self.cluster is not None and not local:
+            out.update(self.cluster.reports())
         return out
 
     def check_settings(self, settings: EngineSettings) -> None:
@@ -254,7 +382,8 @@ class Engine:
         check_fits(self.model, settings)
 
     # ---- sessions -------------------------------------------------------------------------------
-    def new_session(self, settings: EngineSettings | None = None) -> Session:
+    def new_session(self, settings: EngineSettings | None = None, sid: int | None = None) -> Session:
+        """A new independent conversation (on several devices: on every rank, under one id)."""
         try:
             state = self.model.new_state(self.max_context, self.n_planes)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -266,6 +395,10 @@ class Engine:
             ) from None
         plans = PlanPool(self.model.device, capturable=ops_use_cuda() and self.model.capturable)
         sess = Session(state, plans, settings)
+        sess.sid = next(self._session_ids) if sid is None else sid
+        if self.cluster is not None:
+            self.cluster.send("session", sess.sid)
+            weakref.finalize(sess, self.cluster.drop_later, sess.sid)
         self._live_sessions.add(sess)
         return sess
 
@@ -289,6 +422,8 @@ class Engine:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Target logits [T, vocab] for a fresh sequence; leaves no state behind."""
         ids = self._check_ids(list(token_ids), 0)
+        if self.cluster is not None:
+            self.cluster.send("logits", ids)
         state = self.model.new_state(len(ids) + 1, self.n_planes)
         with torch.inference_mode():
             return self.model.lm_head(self.model.forward(torch.tensor(ids, device=self.model.device), state)).float()
@@ -347,14 +482,36 @@ class Engine:
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
         sess._clear_cancel()  # here, not in the generator: a cancel right after stream() returns counts
-        return self._run(sess, ids, max_new_tokens, sampling)
+        return self._run(sess, ids, max_new_tokens, sampling=sampling)
 
     def _run(
-        self, sess: Session, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
+        self,
+        sess: Session,
+        ids: list[int],
+        max_new_tokens: int,
+        rounds=None,
+        reset: bool | None = None,
+        drafter=None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[RoundEvent]:
+        """The round loop, the same on every rank. Rank 0 (`rounds` None) decides at each round boundary
+        which settings apply and whether to stop, and tells the workers; a worker (`rounds` given) gets
+        those decisions, and `reset` and `drafter`, from rank 0. `sampling` is sent to the workers with the
+        run: every rank draws the same tokens from the same logits, seed and position."""
+        leader = rounds is None
+        if leader:
+            drafter = sess.test_drafter
+            rounds = LeaderRounds(sess, self.cluster)
         try:
             state = sess.state
-            if ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens:
+            if reset is None:
+                reset = ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens
+            if leader and self.cluster is not None:
+                eos = self.tokenizer.eos_token_ids
+                self.cluster.send("run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling)
+                if drafter is not None:
+                    drafter = leader_drafter(drafter, self.cluster)
+            if reset:
                 state.reset()
             state.tokens = list(ids)
             stats = RunStats()
@@ -364,13 +521,18 @@ class Engine:
             stats.prefill_s = time.perf_counter() - t0
             generated: list[int] = []
             stream_text = _StreamText(self.tokenizer)
+            # Within a round only one rank may look at the cancel flag: on several ranks it waits for
+            # the round boundary, where rank 0 tells every rank at once.
+            in_round_cancel = (lambda: sess.cancelled) if self.cluster is None and leader else (lambda: False)
             index = 0
             while True:
-                if sess.cancelled:
-                    stats.stop_reason = "cancelled"
-                    yield self._final_event(index, sess.settings, stats)
+                settings, cancelled = rounds.next()
+                if settings is None:  # a worker told the run is over
                     return
-                settings = sess.settings
+                if cancelled:
+                    stats.stop_reason = "cancelled"
+                    yield self._final_event(index, settings, stats)
+                    return
                 t_start = time.perf_counter()
                 with self._run_failures(state), torch.inference_mode():
                     out = run_round(
@@ -380,8 +542,8 @@ class Engine:
                         settings,
                         max_new_tokens - len(generated),
                         self.tokenizer.eos_token_ids,
-                        lambda: sess.cancelled,
-                        sess.test_drafter,
+                        in_round_cancel,
+                        drafter,
                         sampling,
                     )
                 if out.cancelled:
@@ -415,30 +577,53 @@ class Engine:
                 if done:
                     stats.stop_reason = "eos" if out.hit_eos else "length"
                     ev.done, ev.stop_reason = True, stats.stop_reason
-                ev.run = stats.as_dict(self.memory())
+                if leader:
+                    ev.run = self._run_stats(stats)
+                elif self.report is not None:
+                    self.report()
                 index += 1
                 yield ev
                 if done:
                     return
         finally:
+            if leader:
+                rounds.finish()
             sess.busy.release()
+
+    def _run_stats(self, stats: RunStats) -> dict[str, Any]:
+        total, by_device = self._memory_counts()
+        out = stats.as_dict(total)
+        out["memory_by_device"] = {d: dict(v) for d, v in by_device.items()}
+        out["devices"] = len(self.model.device_names)
+        return out
 
     @contextlib.contextmanager
     def _run_failures(self, state):
         """A failure inside the engine stops this run only: the session keeps its committed text and
-        re-prefills on its next use; the caller gets one EngineError saying what happened."""
+        re-prefills on its next use; the caller gets one EngineError saying what happened. On several
+        devices a failure on one rank leaves the others out of step, so the engine stops instead (naming
+        the worker when one died or fell silent, which is what breaks a collective)."""
         try:
             yield
         except EngineError:  # settings that do not fit: raised before the round touched state
             raise
-        except torch.OutOfMemoryError:
-            state.forget_computed()
-            raise EngineError(
-                f"out of memory on {self.model.device} during the run; it was stopped and the session "
-                "kept its text (use a shorter context, a smaller depth or another device)"
-            ) from None
         except Exception as exc:
+            if self.cluster is not None:
+                for _ in range(40):
+                    self.cluster.check()
+                    time.sleep(0.05)
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                self.cluster.close(f"{type(exc).__name__}: {first}")
+                raise EngineError(
+                    f"the run failed on rank 0 ({type(exc).__name__}: {first}); the multi-device engine was "
+                    "stopped and its workers ended — load the model again"
+                ) from exc
             state.forget_computed()
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise EngineError(
+                    f"out of memory on {self.model.device} during the run; it was stopped and the session "
+                    "kept its text (use a shorter context, a smaller depth or another device)"
+                ) from None
             raise EngineError(
                 f"the run failed inside the engine ({type(exc).__name__}: {exc}); it was stopped and "
                 "the session kept its text"
@@ -448,5 +633,5 @@ class Engine:
         ev = RoundEvent(
             index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason
         )
-        ev.run = stats.as_dict(self.memory())
+        ev.run = self._run_stats(stats)
         return ev

@@ -7,6 +7,9 @@ the PyTorch reference elsewhere); GEMMs are plain PyTorch.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +17,7 @@ from kernels import ops
 
 from .config import ModelConfig
 from .gemm import autotuned_linear, check_mode
+from .parallel import Group, vocab_slice
 from .state import SessionState
 
 # Batches up to this many tokens use the recurrent delta rule (a plane per token, so rollback works
@@ -22,10 +26,23 @@ RECURRENT_MAX_TOKENS = 32
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], has_mtp: bool) -> None:
+    """The target and the MTP head on one device, or one rank's shard of them (`group` of several ranks:
+    `cfg` holds that shard's head counts, `weights` its slices, as `parallel.shard_weights` makes them;
+    the LM head in `weights` is whole and is sliced or mirrored here)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        has_mtp: bool,
+        group: Group | None = None,
+        parameter_count: int | None = None,
+        device_names: list[str] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.w = weights
         self.has_mtp = has_mtp
+        self.group = group or Group()
         self.device = weights["embed_tokens.weight"].device
         self.dtype = weights["embed_tokens.weight"].dtype
         rot = cfg.rotary_dim
@@ -34,10 +51,27 @@ class Model:
         )
         self.scale = cfg.head_dim**-0.5
         tied = cfg.tie_word_embeddings
-        self.parameter_count = sum(t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight"))
-        self.device_names = [str(self.device)]
+        self.parameter_count = parameter_count or sum(
+            t.numel() for n, t in weights.items() if not (tied and n == "lm_head.weight")
+        )
+        self.device_names = device_names or [str(self.device)]
         self.gemm = "cublas"
         self._one_token_linear = None
+        # Several ranks, on rank 0: called while it waits for a round, raises when a worker is lost.
+        self.watch: Callable[[], None] | None = None
+        # The output layer. One device: the whole head. Several ranks: a vocabulary slice each, and the
+        # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
+        self.mirror = False
+        self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
+        if self.group.active:
+            full = weights.pop("lm_head.weight")
+            self._head_host = None if tied else full.to("cpu")
+            self.vocab_lo, self.vocab_hi = vocab_slice(cfg.vocab_size, self.group.rank, self.group.world)
+            source = weights["embed_tokens.weight"] if tied else full
+            self.head_slice = source[self.vocab_lo : self.vocab_hi].to(self.device, copy=True)
+            self.head: torch.Tensor | None = None
+        else:
+            self.head = weights["lm_head.weight"]
         self._pack()
 
     def _pack(self) -> None:
@@ -77,7 +111,8 @@ class Model:
     # ---- layers -----------------------------------------------------------------------------
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        return self.linear(ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"])), w[p + "mlp.down_proj.weight"])
+        h = ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"]))
+        return self.group.all_reduce(self.linear(h, w[p + "mlp.down_proj.weight"]))
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -104,7 +139,7 @@ class Model:
             start,
         )
         out = ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate)
-        return self.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
+        return self.group.all_reduce(self.linear(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"]))
 
     def _delta_net(
         self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
@@ -123,7 +158,7 @@ class Model:
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
         o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return self.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
+        return self.group.all_reduce(self.linear(o.reshape(t, hv * dv), w[p + "out_proj.weight"]))
 
     # ---- target -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
@@ -164,16 +199,65 @@ class Model:
         return h
 
     def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device."""
-        return ops.argmax_prob(self.lm_head(hidden, n), n)
+        """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device.
+        Vocab-parallel: each rank sends (max, index, sum of exp) per row, never its logits."""
+        if self.head is not None or self.combine == "gather":
+            return ops.argmax_prob(self.lm_head(hidden, n), n)
+        limit = n if n > 0 else self.cfg.vocab_size
+        hi = min(self.vocab_hi, limit)
+        t = hidden.shape[0]
+        if hi > self.vocab_lo:
+            local = F.linear(hidden, self.head_slice[: hi - self.vocab_lo]).float()
+            m, i = local.max(dim=-1)
+            z = torch.exp(local - m[:, None]).sum(dim=-1)
+            mine = torch.stack((m, (i + self.vocab_lo).float(), z))  # [3, T]; ids < 2^24 are exact
+        else:  # this rank's slice lies past the sub-vocabulary
+            mine = torch.zeros((3, t), device=self.device)
+            mine[0].fill_(float("-inf"))
+        every = self.group.all_gather(mine)  # [W, 3, T]
+        m, i, z = every[:, 0], every[:, 1], every[:, 2]
+        best = m.argmax(dim=0)  # the first (lowest-id) slice on ties, like one argmax over all ids
+        top = m.gather(0, best[None])[0]
+        total = (z * torch.exp(m - top[None])).sum(dim=0)
+        return i.gather(0, best[None])[0].long(), 1.0 / total
+
+    def sync(self) -> None:
+        """Wait for this device's queued work (the round's one synchronisation). With a `watch`, poll
+        instead of blocking, so that a lost worker (whose collective would never complete) is noticed."""
+        if self.watch is None:
+            torch.cuda.current_stream(self.device).synchronize()
+            return
+        done = torch.cuda.Event()
+        done.record()
+        next_check = 0.0
+        while not done.query():
+            now = time.monotonic()
+            if now >= next_check:
+                self.watch()
+                next_check = now + 0.01
 
     def configure(self, settings) -> None:
-        """Apply settings that change what the model holds (one device: nothing to do)."""
+        """Apply settings that change what the model holds: on several ranks, the mirrored output layer
+        (called at the same round boundary on every rank)."""
+        if not self.group.active or bool(settings.mirror_output) == self.mirror:
+            return
+        if settings.mirror_output:
+            tied = self.cfg.tie_word_embeddings
+            self.head = self.w["embed_tokens.weight"] if tied else self._head_host.to(self.device)
+        else:
+            self.head = None
+        self.mirror = bool(settings.mirror_output)
+
+    def set_option(self, name: str, value) -> None:
+        """Model options that are not user knobs (the bench's "gather" combine)."""
+        if name != "combine" or value not in ("argmax", "gather"):
+            raise ValueError(f"unknown model option {name}={value!r}")
+        self.combine = value
 
     @property
     def plan_tag(self) -> tuple:
         """Anything beyond the batch shape that a captured plan depends on."""
-        return (self.gemm,)
+        return (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
 
     @property
     def capturable(self) -> bool:
@@ -184,14 +268,21 @@ class Model:
 
     def weight_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held, by device (shared tensors counted once)."""
-        return {str(self.device): list(self.w.values())}
+        extra = [t for t in (self.head, getattr(self, "head_slice", None)) if t is not None]
+        return {str(self.device): [*self.w.values(), *extra]}
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
-        """Logits over the first `rows` vocabulary ids (0 = all): the sub-vocab head is a view."""
-        head = self.w["lm_head.weight"]
-        if rows:
-            head = head[:rows]
-        return F.linear(hidden, head)
+        """Logits over the first `rows` vocabulary ids (0 = all): the sub-vocab head is a view. Vocab-parallel
+        without a mirror: every rank's slice gathered (the whole row crosses between the GPUs)."""
+        if self.head is not None:
+            return F.linear(hidden, self.head[:rows] if rows else self.head)
+        per = -(-self.cfg.vocab_size // self.group.world)
+        local = F.linear(hidden, self.head_slice)
+        if local.shape[-1] < per:
+            local = F.pad(local, (0, per - local.shape[-1]))
+        every = self.group.all_gather(local)  # [W, T, per]
+        logits = every.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, : self.cfg.vocab_size]
+        return logits[:, :rows] if rows else logits
 
     # ---- MTP draft head -------------------------------------------------------------------------
     def mtp_forward(self, tokens: torch.Tensor, hiddens: torch.Tensor, start: int, state: SessionState) -> torch.Tensor:

@@ -380,7 +380,7 @@ def run_round(
         out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
         clock.mark()  # recorded before the sync, so every event is complete when the spans are read
         if model.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            model.sync()
     t_synced = time.perf_counter()
     got = out_host.tolist()
     t_read = time.perf_counter()

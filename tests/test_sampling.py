@@ -397,11 +397,19 @@ def test_engine_first_two_tokens_keep_the_target_distribution(eng, e2e_exact, se
 def test_tensor_parallel_draws_the_same_tokens(tiny_model_dir, eng):
     """The draws depend only on the logits, the seed and the position: a model split over two (virtual)
     devices, LM head mirrored or sliced by vocabulary (gathered for sampling), draws the same tokens."""
-    tp = Engine.load(tiny_model_dir, devices=["cpu", "cpu"])
+    tp = Engine.load(tiny_model_dir, devices=["cpu", "cpu"])  # rank 1 in a worker process
     sp = SamplingParams(temperature=4.0, top_p=0.95, seed=3)
-    for settings in (EngineSettings(draft_depth=3), EngineSettings(draft_depth=3, mirror_output=False)):
-        want = eng.generate(PROMPT, 24, settings, eng.new_session(), sampling=sp).tokens
-        assert tp.generate(PROMPT, 24, settings, tp.new_session(), sampling=sp).tokens == want
+    try:
+        for settings in (
+            EngineSettings(draft_depth=3),
+            EngineSettings(draft_depth=3, mirror_output=False),
+            EngineSettings(draft_depth=2, chain=False, mirror_output=False),
+            EngineSettings(speculative=False),
+        ):
+            want = eng.generate(PROMPT, 24, settings, eng.new_session(), sampling=sp).tokens
+            assert tp.generate(PROMPT, 24, settings, tp.new_session(), sampling=sp).tokens == want, settings
+    finally:
+        tp.close()
 
 
 # ---- CLI, profiles, bench arms ----------------------------------------------------------------------------------

@@ -1,15 +1,19 @@
-"""Tensor parallel split over several "virtual devices" on the CPU (and two shards of one GPU): logits
-equal to one device, speculative output identical to plain greedy, mirror_output on and off."""
+"""Tensor parallelism, one process per device on torch.distributed (gloo on the CPU here, NCCL on GPUs):
+logits equal to one process, speculative output identical to plain greedy for every multi-device knob,
+more ranks than KV heads, settings changed mid-run, and a lost worker reported in one line."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 import torch
 from tiny_models import write_tiny_model
 
 from engine import Engine, EngineError, EngineSettings
-from engine.tp import split_ranges
-from engine.workloads import load_workloads
+from engine.parallel import head_split, split_ranges
 
 L, F = "linear_attention", "full_attention"
 SPLITTABLE = dict(
@@ -24,6 +28,7 @@ SPLITTABLE = dict(
     intermediate_size=96,
     tie_word_embeddings=False,
 )
+PROMPT = "def main():\n    for i in range(10):\n        print(i)\n"
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,11 @@ def single(model_dir):
     return Engine.load(model_dir)
 
 
+@pytest.fixture(scope="module")
+def greedy(single):
+    return single.generate(PROMPT, 24, EngineSettings(speculative=False), single.new_session()).tokens
+
+
 def test_split_ranges_cover_everything_once():
     for n_items in (6, 7, 320):
         for n in (1, 2, 3):
@@ -45,51 +55,181 @@ def test_split_ranges_cover_everything_once():
             assert max(hi - lo for lo, hi in r) - min(hi - lo for lo, hi in r) <= 1
 
 
-def _check(devices, model_dir, single):
-    ids = list(range(1, 41))
-    ref = single.logits(ids)
-    prompt = load_workloads()["code_gen"].prompt
-    greedy = single.generate(prompt, 24, EngineSettings(speculative=False), single.new_session()).tokens
-    tp = Engine.load(model_dir, devices=devices)
-    assert tp.info["devices"] == [str(torch.device(d)) for d in devices]
-    for mirror in (True, False):
-        for combine in ("argmax", "gather"):
-            tp.model.combine = combine
-            settings = EngineSettings(draft_depth=4, mirror_output=mirror)
-            tp.model.configure(settings)
-            got = tp.logits(ids).cpu()
-            assert (got - ref).abs().max().item() < 1e-5, (mirror, combine)
-            out = tp.generate(prompt, 24, settings, tp.new_session()).tokens
-            assert out == greedy, (mirror, combine)
-    return tp
+@pytest.mark.parametrize("heads,kv,world", [(12, 6, 2), (12, 6, 4), (4, 2, 3), (16, 4, 8), (32, 16, 3), (8, 1, 5)])
+def test_every_head_on_exactly_one_rank_with_its_kv_head(heads, kv, world):
+    group = heads // kv
+    owners = []
+    for rank in range(world):
+        h_lo, h_hi, kv_lo, kv_hi = head_split(heads, kv, rank, world, "attention")
+        assert h_hi > h_lo, "a rank without a head"
+        owners += range(h_lo, h_hi)
+        # every head's KV head is held by the same rank, and locally the grouping is uniform
+        assert all(kv_lo <= h // group < kv_hi for h in range(h_lo, h_hi))
+        local_group = (h_hi - h_lo) // (kv_hi - kv_lo)
+        assert [(h - h_lo) // local_group + kv_lo for h in range(h_lo, h_hi)] == [h // group for h in range(h_lo, h_hi)]
+    assert sorted(owners) == list(range(heads))
+
+
+def test_more_ranks_than_heads_is_refused():
+    with pytest.raises(EngineError, match="would hold no head; use at most 4 devices"):
+        head_split(4, 2, 0, 5, "attention")
+
+
+def _close(eng):
+    eng.close()
+    assert all(not p.is_alive() for p in eng.cluster.procs)  # no zombie: joined (reaped) on close
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_split_over_virtual_cpu_devices(model_dir, single, n):
-    tp = _check(["cpu"] * n, model_dir, single)
-    assert tp.model.reduce.calls > 0
-    prompt = load_workloads()["prose"].prompt
-    tp.generate(prompt, 24, EngineSettings(draft_depth=4), tp.new_session())
-    builds = tp.model.split_plan_builds
-    tp.generate(prompt, 24, EngineSettings(draft_depth=4), tp.new_session())
-    assert tp.model.split_plan_builds == builds  # every step shape's split was remembered and reused
+def test_ranks_equal_one_process_for_every_knob(model_dir, single, greedy, n):
+    ids = list(range(1, 41))
+    ref = single.logits(ids)
+    tp = Engine.load(model_dir, devices=["cpu"] * n)
+    try:
+        assert tp.info["devices"] == [f"cpu (rank {r})" for r in range(n)]
+        assert len(tp.cluster.procs) == n - 1 and all(p.is_alive() for p in tp.cluster.procs)
+        got = tp.logits(ids)  # mirror off until a run configures it: the gathered vocabulary slices
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        cases = [
+            dict(),
+            dict(mirror_output=False),
+            dict(mirror_output=False, sub_vocab=200),
+            dict(mirror_output=True, sub_vocab=200),
+            dict(chain=False, mirror_output=False),
+            dict(chain=False),
+            dict(draft_depth=1),
+            dict(p_min=0.5, mirror_output=False),
+            dict(speculative=False, mirror_output=False),
+        ]
+        for case in cases:
+            settings = EngineSettings(draft_depth=4).replace(**case)
+            out = tp.generate(PROMPT, 24, settings, tp.new_session())
+            assert out.tokens == greedy, case
+            assert out.stats["devices"] == n
+        tp.set_model_option("combine", "gather")  # the "before": whole logit rows cross between ranks
+        assert tp.generate(PROMPT, 24, EngineSettings(mirror_output=False), tp.new_session()).tokens == greedy
+        tp.set_model_option("combine", "argmax")
+        assert ((tp.logits(ids) - ref).abs().max() / ref.abs().max()).item() < 1e-5  # mirrored now
+    finally:
+        _close(tp)
 
 
-def test_mirror_costs_memory(model_dir):
+def test_two_kv_heads_on_three_ranks(tiny_model_dir):
+    """The default tiny model has 2 KV heads and 2 delta-net key heads: on 3 ranks they are replicated."""
+    one = Engine.load(tiny_model_dir)
+    greedy = one.generate(PROMPT, 24, EngineSettings(speculative=False)).tokens
+    tp = Engine.load(tiny_model_dir, devices=["cpu"] * 3)
+    try:
+        assert tp.model.cfg.num_key_value_heads == 1  # rank 0 holds one KV head, shared with rank 1
+        for mirror in (True, False):
+            out = tp.generate(PROMPT, 24, EngineSettings(draft_depth=3, mirror_output=mirror), tp.new_session())
+            assert out.tokens == greedy, mirror
+        ids = list(range(5, 45))
+        ref = one.logits(ids)
+        assert ((tp.logits(ids) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    finally:
+        _close(tp)
+
+
+def test_settings_changed_mid_run_apply_on_every_rank(model_dir, greedy):
     tp = Engine.load(model_dir, devices=["cpu", "cpu"])
-    tp.model.configure(EngineSettings(mirror_output=False))
-    off = tp.memory()["weights"]
-    tp.model.configure(EngineSettings(mirror_output=True))
-    on = tp.memory()["weights"]
-    head = 320 * 64 * 4
-    assert on - off == 2 * head  # one whole output layer per device
+    try:
+        sess = tp.new_session(EngineSettings(draft_depth=2))
+        changes = [
+            EngineSettings(draft_depth=5, mirror_output=False),
+            EngineSettings(draft_depth=3, chain=False),
+            EngineSettings(speculative=False),
+            EngineSettings(draft_depth=4, sub_vocab=100, mirror_output=False),
+        ]
+        tokens, seen = [], []
+        for i, ev in enumerate(tp.stream(PROMPT, 24, session=sess)):
+            tokens += ev.tokens
+            seen.append(ev.settings)
+            if i < len(changes):
+                sess.settings = changes[i]
+        assert tokens == greedy
+        assert [s for s in changes if s in seen] == changes  # every change took effect at a boundary
+        # a cancel reaches every rank at the same boundary, and the engine keeps working after it
+        it = tp.stream(PROMPT, 24, session=sess)
+        next(it)
+        sess.cancel()
+        assert [ev.stop_reason for ev in it][-1] == "cancelled"
+        assert tp.generate(PROMPT, 24, EngineSettings(), tp.new_session()).tokens == greedy
+        # a stream dropped half-way leaves every rank ready for the next run
+        it = tp.stream(PROMPT, 24, session=sess)
+        next(it)
+        del it
+        assert tp.generate(PROMPT, 24, EngineSettings(), sess).tokens == greedy
+    finally:
+        _close(tp)
 
 
-def test_cannot_split_more_ways_than_heads(tiny_model_dir):
-    with pytest.raises(EngineError, match="cannot split"):
-        Engine.load(tiny_model_dir, devices=["cpu"] * 3)
+def test_memory_from_every_rank_and_mirror_cost(model_dir):
+    tp = Engine.load(model_dir, devices=["cpu", "cpu"])
+    try:
+        off = tp.generate(PROMPT, 4, EngineSettings(mirror_output=False), tp.new_session()).stats
+        on = tp.generate(PROMPT, 4, EngineSettings(mirror_output=True), tp.new_session()).stats
+        assert set(off["memory_by_device"]) == {"cpu (rank 0)", "cpu (rank 1)"}
+        head = 320 * 64 * 4
+        for rank in ("cpu (rank 0)", "cpu (rank 1)"):  # the whole output layer once more on every rank
+            assert on["memory_by_device"][rank]["weights"] - off["memory_by_device"][rank]["weights"] == head
+            assert on["memory_by_device"][rank]["kv_cache"] > 0
+    finally:
+        _close(tp)
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_worker_is_one_line_within_ten_seconds_and_the_engine_loads_again(model_dir, greedy, how):
+    tp = Engine.load(model_dir, devices=["cpu", "cpu"])
+    worker = tp.cluster.procs[0]
+    tp.generate(PROMPT, 8, EngineSettings(), tp.new_session())
+    os.kill(worker.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineError) as err:
+            tp.generate(PROMPT, 24, EngineSettings(), tp.new_session())
+        waited = time.monotonic() - t0
+        message = str(err.value)
+        assert "\n" not in message and "worker rank 1" in message and "load the model again" in message
+        assert waited < 10.0, waited
+    finally:
+        if how == "stop" and worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+    worker.join(5)
+    assert not worker.is_alive()  # ended and reaped: no zombie left behind
+    with pytest.raises(EngineError, match="was closed"):
+        tp.generate(PROMPT, 4, EngineSettings(), tp.new_session())
+    again = Engine.load(model_dir, devices=["cpu", "cpu"])
+    try:
+        assert again.generate(PROMPT, 24, EngineSettings(), again.new_session()).tokens == greedy
+    finally:
+        _close(again)
+
+
+def test_a_failing_worker_load_is_one_line(tmp_path):
+    """A split that cannot work is refused before any worker starts; a worker that fails to load is
+    reported with its own message."""
+    d = write_tiny_model(tmp_path / "m", seed=1)
+    with pytest.raises(EngineError, match="would hold no head"):
+        Engine.load(d, devices=["cpu"] * 5)
 
 
 @pytest.mark.gpu
-def test_two_shards_on_one_gpu(model_dir, single):
-    _check(["cuda:0", "cuda:0"], model_dir, single)
+def test_two_gpus_equal_one(model_dir, single, greedy):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ids = list(range(1, 41))
+    ref = single.logits(ids)
+    tp = Engine.load(model_dir, devices=["cuda:0", "cuda:1"])
+    try:
+        assert ((tp.logits(ids).cpu() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        for case in (dict(), dict(mirror_output=False), dict(mirror_output=False, sub_vocab=200), dict(chain=False)):
+            settings = EngineSettings(draft_depth=4, plan_pool=8).replace(**case)
+            sess = tp.new_session()
+            for _ in range(2):  # the second run replays the captured graphs (all-reduces inside)
+                sess.reset()
+                out = tp.generate(PROMPT, 24, settings, sess)
+                assert out.tokens == greedy, case
+            assert out.stats["plan_hits"] > 0 or not settings.chain
+    finally:
+        _close(tp)
