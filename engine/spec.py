@@ -207,9 +207,10 @@ def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None
 # ---- sampled rounds (SamplingParams with temperature > 0; engine/sampling.py) ---------------------------------
 # The same round with draws instead of argmaxes: every draw is keyed by (seed, start_buf = the round's start
 # position, slot, purpose), so the device draws without the host and a rerun draws the same numbers.
-# Tensor parallel: model.lm_head returns the full logits on the leader (mirror_output off gathers the vocabulary
-# slices: sampling needs whole rows), so every draw depends only on logits, seed and position: any rank that
-# computes the same logits draws the same tokens.
+# Several devices: every rank runs this same round; model.lm_head gives every rank the full logits (mirror_output
+# off all-gathers the vocabulary slices: sampling needs whole rows, the distributed argmax is not enough), and
+# every draw depends only on logits, seed and position, so all ranks draw the same tokens (no host RNG, no
+# rank-dependent state; Engine._run sends `sampling` to the workers with the run).
 
 
 def _process(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
