@@ -273,3 +273,28 @@ def test_engine_first_two_tokens_on_gpu(engines):
             seen[cell] = seen.get(cell, 0) + 1
         stat, crit, _ = cpu_test._chi_square(seen, exact, cpu_test.E2E_SAMPLES)
         assert stat < crit, (settings, stat, crit)
+
+
+def test_two_gpus_sample_like_one(tiny_model_dir, engines):
+    """Two GPUs (one process each): every rank draws the same tokens (else the ranks' states part and the
+    output is garbage); reruns with graphs are identical, and the text is the one GPU's (the logits agree to
+    ~1e-6, so a draw could differ only on a boundary: the first 8 tokens are required to agree)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    one = engines["tiny"]
+    sp = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=4)
+    tp = Engine.load(tiny_model_dir, devices=["cuda:0", "cuda:1"])
+    try:
+        for case in (dict(), dict(mirror_output=False), dict(mirror_output=False, sub_vocab=200), dict(chain=False)):
+            settings = EngineSettings(draft_depth=4, plan_pool=8).replace(**case)
+            want = one.generate("def main():", 32, settings, one.new_session(), sampling=sp).tokens
+            sess = tp.new_session()
+            runs = []
+            for _ in range(2):  # the second run replays the captured graphs
+                sess.reset()
+                runs.append(tp.generate("def main():", 32, settings, sess, sampling=sp).tokens)
+            assert runs[0] == runs[1], case
+            first_diff = next((i for i, (a, b) in enumerate(zip(runs[0], want)) if a != b), None)
+            assert first_diff is None or first_diff > 8, (case, first_diff)
+    finally:
+        tp.close()
