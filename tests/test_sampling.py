@@ -242,6 +242,56 @@ def test_speculative_rule_keeps_the_target_distribution(depth, sub):
         assert bad > crit_bad, (wrong, depth, sub, bad, crit_bad)
 
 
+def _hashed_uniform(seeds: torch.Tensor, pos: torch.Tensor, slot: int, purpose: int) -> torch.Tensor:
+    """ref.rng_uniform for a batch of (seed, position) pairs: the engine's keying, one seed per sample."""
+    m = 0xFFFFFFFF
+    h = ref._mix32((seeds & m) ^ 0x9E3779B9)
+    h = ref._mix32(h ^ ((seeds >> 32) & m))
+    h = ref._mix32(h ^ (pos & m))
+    h = ref._mix32(h ^ ((slot * 8 + purpose) & m))
+    return (h >> 8).float() * (2.0**-24)
+
+
+def test_speculative_rule_with_the_engines_random_numbers():
+    """The same test with the engine's counter-based numbers instead of torch.rand: sample b has seed b, each
+    round is keyed by its start position, drafts / acceptance tests / resamples by slot and purpose (as in
+    spec.py): the hash's streams are independent enough to keep the distribution (20,000 samples, depth 3)."""
+    target, draft = _chains(3)
+    depth, b = 3, SAMPLES
+    seeds = torch.arange(b) + 1000
+    assert torch.equal(
+        _hashed_uniform(seeds[:3], torch.full((3,), 17), 2, ref.RNG_ACCEPT),
+        torch.cat([ref.rng_uniform(seeds[i : i + 1], 17, torch.tensor([2]), ref.RNG_ACCEPT) for i in range(3)]),
+    )
+    out = torch.full((b, K), -1, dtype=torch.long)
+    count = torch.zeros(b, dtype=torch.long)
+    last = torch.zeros(b, dtype=torch.long)
+    rows = torch.arange(b)[:, None].expand(b, depth + 1)
+    while bool((count < K).any()):
+        pos = count + 5  # the round's start position (prompt of 5 + tokens so far): unique per round
+        drafts, prev = [], last
+        for j in range(depth):
+            prev = ref._inverse_cdf(draft[prev], _hashed_uniform(seeds, pos, j, ref.RNG_DRAFT))
+            drafts.append(prev)
+        d = torch.stack(drafts, 1)
+        ctx = torch.cat((last[:, None], d), 1)
+        u_acc = torch.stack([_hashed_uniform(seeds, pos, j, ref.RNG_ACCEPT) for j in range(depth)], 1)
+        u_res = torch.stack([_hashed_uniform(seeds, pos, j, ref.RNG_RESAMPLE) for j in range(depth + 1)], 1)
+        k, tok = ref.speculative_accept_rows(
+            d, draft[ctx[:, :depth]], target[ctx], torch.full((b,), depth), u_acc, u_res
+        )
+        j = torch.arange(depth + 1)
+        emitted = torch.where(j[None] < k[:, None], torch.cat((d, tok[:, None]), 1), tok[:, None])
+        at = count[:, None] + j[None]
+        keep = (j[None] <= k[:, None]) & (at < K)
+        out[rows[keep], at[keep]] = emitted[keep]
+        count += k + 1
+        last = tok
+    stat, crit, df = _chi_square(_counts(out), _markov_exact(target), SAMPLES)
+    print(f"chi-square {stat:.1f} < {crit:.1f} (df {df}, alpha {ALPHA})", end="")
+    assert stat < crit
+
+
 def test_plain_sampling_keeps_the_target_distribution():
     target, draft = _chains(0)
     stat, crit, _ = _chi_square(_counts(_simulate(target, draft, 0, "exact", seed=5)), _markov_exact(target), SAMPLES)
