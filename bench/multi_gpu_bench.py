@@ -9,6 +9,8 @@
 4. the all-reduce of 1..17 rows x 4096 bf16 inside a captured graph: NCCL vs symmetric memory (one-shot),
    as timed at load, and which one the engine kept per size.
 5. per-GPU memory as the engine reports it (every rank) beside NVML's figure for each process.
+Symmetric memory is set up by the first multi-device engine of a process only: run each section in its
+own process (--only check|bundled|9b) to give each its own first engine, as bench/run_multi_gpu.sh does.
 Keep NCCL_NVLS_ENABLE=0 (set below if unset): NVLink multicast stays off on the lent machines.
 """
 
@@ -188,8 +190,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--out")
     ap.add_argument("--skip-9b", action="store_true")
-    ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--skip-bundled", action="store_true")
+    ap.add_argument("--only", choices=["check", "bundled", "9b"], help="one section (its own process)")
     a = ap.parse_args()
     devices = a.devices.split(",")
     if torch.cuda.device_count() < len(devices):
@@ -197,13 +198,13 @@ def main() -> int:
         return 2
     try:
         model_dir = bundled_model_dir()
-        if not a.skip_check:
+        if a.only in (None, "check"):
             check_equal(model_dir, devices)
             stamp("check done")
-        if not a.skip_bundled:
+        if a.only in (None, "bundled"):
             run_bundled(model_dir, devices, a.n)
             stamp("bundled done")
-        if not a.skip_9b:
+        if a.only in (None, "9b") and not a.skip_9b:
             run_9b(devices, a.n)
             stamp("9B done")
     finally:

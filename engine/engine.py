@@ -89,19 +89,13 @@ class _StreamText:
         return text
 
 
-_BASELINE: dict[int, int] = {}
-
-
 def process_bytes(device: torch.device) -> int:
     """What this process holds on a GPU: PyTorch's reserved memory plus what lies outside PyTorch's
-    allocator (CUDA context, NCCL and symmetric-memory buffers), measured as the device's used memory
-    less reserved memory at first call after load (the engine's process is the GPU's only user then)."""
-    index = device.index or 0
-    reserved = torch.cuda.memory_reserved(device)
-    if index not in _BASELINE:
-        free, total = torch.cuda.mem_get_info(device)
-        _BASELINE[index] = max(0, (total - free) - reserved)
-    return reserved + _BASELINE[index]
+    allocator (CUDA context, cuBLAS and NCCL workspaces, symmetric-memory buffers), taken as the device's
+    used memory less reserved memory at this count: exact when this process is the GPU's only user (one
+    process per GPU, as the engine runs); other processes on the same GPU would be counted too."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(torch.cuda.memory_reserved(device), total - free)
 
 
 def _enable_kernels(dev: torch.device) -> str:
@@ -261,7 +255,9 @@ class Engine:
             eng = cls._build_rank(spec, 0, devices)
             cluster.wait_for("loaded", 600)
             init_group(0, len(devices), cluster.port, devices[0], cluster.name_index)
-            eng.collectives = setup_collectives(eng.model, eng.cfg.hidden_size, eng.model.dtype)
+            eng.collectives = setup_collectives(
+                eng.model, eng.cfg.hidden_size, eng.model.dtype, allow_symmetric=cluster.allow_symmetric
+            )
             cluster.wait_for("ready", 120)
         except torch.OutOfMemoryError:
             cluster.close("the load failed")

@@ -47,6 +47,7 @@ HANG_S = 5.0  # a worker whose heartbeat is older than this is taken as hung
 NCCL_TIMEOUT_S = 300.0  # NCCL's own watchdog: long enough for any prefill; liveness is checked by us
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # clusters not closed yet (one process group per process)
 _GROUPS = itertools.count(100)  # process group names used by this process, one per cluster
+_SYMMETRIC_TAKEN = [False]  # this process has set up symmetric memory once (see setup_collectives)
 
 
 class WorkerLost(EngineError):
@@ -128,12 +129,18 @@ def init_group(rank: int, world: int, port: int, device: torch.device, name_inde
         raise EngineError(f"the process group's first all-reduce gave {probe.item()}, expected {world}")
 
 
-def setup_collectives(model, hidden: int, dtype: torch.dtype) -> dict:
+def setup_collectives(model, hidden: int, dtype: torch.dtype, allow_symmetric: bool = True) -> dict:
     """CUDA: symmetric memory for decode-sized all-reduces where it beats NCCL (timed here, at load,
-    inside captured graphs; the same choice on every rank). Returns a summary for `Engine.info`."""
+    inside captured graphs; the same choice on every rank). Returns a summary for `Engine.info`.
+
+    Only the first multi-device engine of a process may use symmetric memory: PyTorch keeps its
+    rendezvous state per process, and a second process group's rendezvous waited for a peer that never
+    came (seen on two H200s: a 300 s stall, then a failure); later engines use NCCL alone."""
     group = model.group
     if model.device.type != "cuda":
         return {"all_reduce": "gloo"}
+    if not allow_symmetric:
+        return {"all_reduce": "nccl", "symmetric_memory": "not again in this process (first engine only)"}
     why = group.setup_symmetric(32 * hidden, dtype)
     if why:
         return {"all_reduce": "nccl", "symmetric_memory": f"unavailable ({why})"}
@@ -155,6 +162,8 @@ class Cluster:
         self.world = len(devices)
         self.port = _free_port()
         self.name_index = next(_GROUPS)
+        self.allow_symmetric = not _SYMMETRIC_TAKEN[0] and devices[0].type == "cuda"
+        _SYMMETRIC_TAKEN[0] = _SYMMETRIC_TAKEN[0] or self.allow_symmetric
         ctx = mp.get_context("spawn")
         self.beats = ctx.Array("d", self.world, lock=False)
         self.conns = []
@@ -174,7 +183,7 @@ class Cluster:
                 args=(
                     rank,
                     self.world,
-                    (self.port, self.name_index),
+                    (self.port, self.name_index, self.allow_symmetric),
                     [str(d) for d in devices],
                     source,
                     threads,
@@ -347,6 +356,11 @@ class _WorkerChannel:
 
     def recv(self) -> tuple:
         while True:
+            # Spin briefly before blocking: during a run the next round's message comes within a
+            # millisecond, and waking a blocked reader costs tens of microseconds each round.
+            deadline = time.perf_counter() + 0.02
+            while not self.conn.poll(0) and time.perf_counter() < deadline:
+                pass
             msg = self.conn.recv()
             if msg[0] == "drop":
                 self.sessions.pop(msg[1], None)
@@ -384,7 +398,9 @@ def worker_main(rank, world, address, devices, source, threads, conn, beats) -> 
         engine = Engine._build_rank(source, rank, [torch.device(d) for d in devices])
         conn.send(("loaded",))
         init_group(rank, world, address[0], device, address[1])
-        engine.collectives = setup_collectives(engine.model, engine.cfg.hidden_size, engine.model.dtype)
+        engine.collectives = setup_collectives(
+            engine.model, engine.cfg.hidden_size, engine.model.dtype, allow_symmetric=address[2]
+        )
         engine.model.watch = None
         conn.send(("ready",))
         serve(engine, _WorkerChannel(conn, engine))
