@@ -386,7 +386,9 @@ class EngineWorker(QObject):
             from engine.bench import BenchArm, run_bench
 
             vocab_size = self.engine.info["vocab_size"]
-            arms = [BenchArm(name, profile.settings_for(vocab_size)) for name, profile in request.arms]
+            arms = [
+                BenchArm(name, profile.settings_for(vocab_size), profile.sampling) for name, profile in request.arms
+            ]
             report = run_bench(
                 self.engine,
                 arms=arms,

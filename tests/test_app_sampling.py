@@ -54,3 +54,24 @@ def test_a_profile_saved_in_the_app_carries_the_sampling(window, monkeypatch):
     window.sampling_panel.set_sampling(None)
     window.apply_profile(window.store.get("warm"))
     assert window.sampling_panel.sampling() == sp
+
+
+def test_a_bench_arm_from_a_sampled_profile_samples(qtbot, window):
+    from engine import EngineSettings
+    from engine.profiles import Profile
+
+    sp = SamplingParams(temperature=2.0, seed=1)
+    window.store.save(Profile(name="hot", settings=EngineSettings(draft_depth=2), sampling=sp))
+    window.profiles_tab.reload()
+    tab = window.bench_tab
+    tab.select_profiles("control", "hot")
+    for name, box in tab.workload_boxes.items():
+        box.setChecked(name == "prose")
+    tab.rounds.setValue(1)
+    tab.max_new_tokens.setValue(6)
+    with qtbot.waitSignal(window.worker.bench_finished, timeout=RUN_TIMEOUT_MS):
+        qtbot.mouseClick(tab.run_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.state == "idle", timeout=RUN_TIMEOUT_MS)
+    report = tab.report
+    assert [a.sampling for a in report.arms] == [None, sp]
+    assert report.arms_agree and "sampled arms" in report.format_tables()
