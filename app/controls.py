@@ -1,4 +1,5 @@
-"""The left-hand panels: what to run (RunPanel) and the engine's knobs (KnobPanel).
+"""The left-hand panels: what to run (RunPanel), the engine's knobs (KnobPanel) and how tokens are drawn
+(SamplingPanel).
 
 KnobPanel holds one widget per EngineSettings field. Every user change emits settings_changed
 with a whole new EngineSettings value; the window hands it to the running session, which picks
@@ -27,6 +28,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.sampling import MAX_TEMPERATURE, SamplingParams
 from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings
 
 CUSTOM_PROMPT = "Custom prompt"
@@ -204,6 +206,109 @@ class KnobPanel(QGroupBox):
             self.sub_vocab_share.setText(f"all {self.vocab_size:,}")
         else:
             self.sub_vocab_share.setText("")
+
+
+SAMPLING_NOTE = (
+    "Speculative and plain sampling use the random numbers differently, so their texts differ; "
+    "their distributions are the same (each draft is accepted with probability min(1, p/q), a "
+    "rejection draws from max(0, p - q)). The same seed and settings give the same text again."
+)
+SAMPLING_HELP = {
+    "temperature": "0 = greedy: the most likely token, exactly the text of plain greedy decoding. "
+    "Above 0, tokens are drawn; higher is more varied (Qwen3.5's cards suggest 0.6–1.0).",
+    "top_k": "Draw only from the k most likely tokens (0 = off).",
+    "top_p": "Draw only from the smallest set of most likely tokens whose probability reaches this (1 = off).",
+    "min_p": "Drop tokens less likely than this times the most likely one (0 = off).",
+    "seed": "The random numbers' seed: the same seed and settings give the same text.",
+}
+
+
+class SamplingPanel(QGroupBox):
+    """Temperature, top-k, top-p, min-p and seed (SamplingParams): read when a run starts, so a change
+    applies at the next run (a repeated workload included)."""
+
+    sampling_changed = Signal(object)  # SamplingParams | None (None: greedy)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__("Sampling (applies at the next run)", parent)
+        self.setToolTip(SAMPLING_NOTE)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, MAX_TEMPERATURE)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setDecimals(2)
+        self.temperature.setSpecialValueText("greedy")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 1_000_000)
+        self.top_k.setSpecialValueText("off")
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setDecimals(2)
+        self.min_p = QDoubleSpinBox()
+        self.min_p.setRange(0.0, 1.0)
+        self.min_p.setSingleStep(0.01)
+        self.min_p.setDecimals(3)
+        self.min_p.setSpecialValueText("off")
+        self.seed = QSpinBox()
+        self.seed.setRange(0, 2**31 - 1)
+        self.widgets: dict[str, QWidget] = {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "seed": self.seed,
+        }
+        form = QFormLayout(self)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Seed", self.seed)
+        self._updating = False
+        self.set_sampling(None)
+        for spin in self.widgets.values():
+            spin.setKeyboardTracking(False)
+            spin.valueChanged.connect(self._on_user_change)
+
+    def sampling(self) -> SamplingParams | None:
+        """The panel's sampling, or None at temperature 0 (greedy)."""
+        sp = SamplingParams(
+            temperature=round(self.temperature.value(), 4),
+            top_k=self.top_k.value(),
+            top_p=round(self.top_p.value(), 4),
+            min_p=round(self.min_p.value(), 4),
+            seed=self.seed.value(),
+        )
+        return None if sp.greedy else sp
+
+    def set_sampling(self, sampling: SamplingParams | None, emit: bool = False) -> None:
+        sp = sampling or SamplingParams(temperature=0.0)
+        self._updating = True
+        try:
+            self.temperature.setValue(sp.temperature)
+            self.top_k.setValue(sp.top_k)
+            self.top_p.setValue(sp.top_p)
+            self.min_p.setValue(sp.min_p)
+            self.seed.setValue(min(sp.seed, self.seed.maximum()))
+        finally:
+            self._updating = False
+        self._refresh()
+        if emit:
+            self.sampling_changed.emit(self.sampling())
+
+    def _on_user_change(self, *_: Any) -> None:
+        if self._updating:
+            return
+        self._refresh()
+        self.sampling_changed.emit(self.sampling())
+
+    def _refresh(self) -> None:
+        greedy = self.temperature.value() == 0.0
+        for name, widget in self.widgets.items():
+            off = greedy and name != "temperature"
+            widget.setEnabled(not off)
+            reason = "Disabled: temperature 0 is greedy decoding, nothing is drawn.\n\n" if off else ""
+            widget.setToolTip(f"{reason}{SAMPLING_HELP[name]}\n\n{SAMPLING_NOTE}")
 
 
 class RunPanel(QGroupBox):

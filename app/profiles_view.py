@@ -73,6 +73,7 @@ class ProfilesTab(QWidget):
         self._current_settings = current_settings
         self._current_figures = current_figures
         self._gpu_names = gpu_names
+        self.current_sampling: Callable[[], Any] = lambda: None  # the window's SamplingPanel.sampling
         self.profiles: list[Profile] = []
         self.problems: list[Any] = []
 
@@ -230,6 +231,7 @@ class ProfilesTab(QWidget):
         profile = Profile(
             name=name,
             settings=self._current_settings(),
+            sampling=self.current_sampling(),
             notes=notes,
             hardware=hardware_fingerprint(self._gpu_names()),
             bench=self._current_figures(),

@@ -8,6 +8,7 @@ widgets. Plots and text redraw on their own timers.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.bench_tab import BenchTab
-from app.controls import KnobPanel, RunPanel
+from app.controls import KnobPanel, RunPanel, SamplingPanel
 from app.monitor import MonitorSample, MonitorSampler, MonitorTab
 from app.output_view import OutputView
 from app.plots import RunPlots, settings_summary
@@ -102,6 +103,7 @@ class MainWindow(QMainWindow):
         # ---- widgets
         self.run_panel = RunPanel(self.workloads, bundled)
         self.knobs = KnobPanel()
+        self.sampling_panel = SamplingPanel()
         self.profile_combo = QComboBox()
         self.profile_combo.setToolTip("Apply a saved profile's settings")
         self.profile_combo.activated.connect(self._on_quick_profile)
@@ -114,6 +116,7 @@ class MainWindow(QMainWindow):
         left_layout.addWidget(self.run_panel)
         left_layout.addLayout(quick_row)
         left_layout.addWidget(self.knobs)
+        left_layout.addWidget(self.sampling_panel)
         left_layout.addStretch(1)
         left_scroll = QScrollArea()
         left_scroll.setWidget(left)
@@ -136,6 +139,7 @@ class MainWindow(QMainWindow):
         self.profiles_tab = ProfilesTab(
             self.store, self.knobs.settings, self.current_figures, lambda: list(self._gpu_names)
         )
+        self.profiles_tab.current_sampling = self.sampling_panel.sampling
         self.bench_tab = BenchTab(list(self.workloads))
 
         self.tabs = QTabWidget()
@@ -284,6 +288,7 @@ class MainWindow(QMainWindow):
             max_new_tokens=self.run_panel.max_new_tokens.value(),
             settings=self.knobs.settings(),
             label=workload or "custom prompt",
+            sampling=self.sampling_panel.sampling(),
         )
         self._begin(request)
 
@@ -357,7 +362,8 @@ class MainWindow(QMainWindow):
             and finished.stop_reason in ("length", "eos")
             and self._last_request is not None
         )
-        if repeat:  # same workload again; the worker runs it with the latest settings
+        if repeat:  # same workload again; the worker runs it with the latest settings and sampling
+            self._last_request = dataclasses.replace(self._last_request, sampling=self.sampling_panel.sampling())
             self.worker.load_and_run(self._last_request)
         else:
             self.state = "idle"
@@ -395,6 +401,8 @@ class MainWindow(QMainWindow):
         settings = profile.settings_for(vocab) if vocab else profile.settings
         self.plots.name_settings(settings, profile.name)
         self.knobs.set_settings(settings)
+        if profile.sampling is not None:
+            self.sampling_panel.set_sampling(profile.sampling)
         self.applied_profile = profile
         self.worker.set_settings(profile.settings, profile.sub_vocab_fraction)
         self._after_settings_change()

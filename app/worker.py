@@ -63,6 +63,7 @@ class RunRequest:
     max_new_tokens: int
     settings: Any  # EngineSettings, used only when set_settings() was never called
     label: str = ""
+    sampling: Any = None  # SamplingParams, or None for greedy
 
 
 @dataclass
@@ -320,7 +321,9 @@ class EngineWorker(QObject):
         events = None
         self.frame_gate.set_running(True)
         try:
-            events = engine.stream(prompt, request.max_new_tokens, settings=settings, session=session)
+            events = engine.stream(
+                prompt, request.max_new_tokens, settings=settings, session=session, sampling=request.sampling
+            )
             for ev in events:
                 # stream() clears the session's cancel flag when it begins; a Stop pressed just
                 # before that lives on in our own flag and is passed on here.
@@ -383,7 +386,9 @@ class EngineWorker(QObject):
             from engine.bench import BenchArm, run_bench
 
             vocab_size = self.engine.info["vocab_size"]
-            arms = [BenchArm(name, profile.settings_for(vocab_size)) for name, profile in request.arms]
+            arms = [
+                BenchArm(name, profile.settings_for(vocab_size), profile.sampling) for name, profile in request.arms
+            ]
             report = run_bench(
                 self.engine,
                 arms=arms,

@@ -10,6 +10,9 @@ c     the best speculative configuration of (b) vs target-only, per workload, in
 d     a random model of Qwen3.5-9B-like shapes built in memory (bf16), target-only: weight bytes read per
       token / time per token, against the copy bandwidth
 bf16  speculative vs target-only in bf16: first divergence per workload and the top-2 logit gap there
+s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
+      Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
+      mean t/s of the four workloads x 2 seeds
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import Engine, EngineSettings  # noqa: E402
+from engine import Engine, EngineSettings, SamplingParams  # noqa: E402
 from engine.bench import BenchArm, run_bench  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
@@ -54,18 +57,25 @@ def workload_prompts(eng: Engine) -> list:
 
 
 def run_prompts(
-    eng: Engine, settings: EngineSettings, n: int, prompts: list, warm_n: int = 16, after_warm_up=None
+    eng: Engine,
+    settings: EngineSettings,
+    n: int,
+    prompts: list,
+    warm_n: int = 16,
+    after_warm_up=None,
+    sampling: list | None = None,
 ) -> list[dict]:
     """Run stats of `n` new tokens from each prompt, on one session reset in between, after a warm-up run
-    on the first prompt (which captures the plans); `after_warm_up()` is called between the two."""
+    on the first prompt (which captures the plans); `after_warm_up()` is called between the two.
+    `sampling`: one SamplingParams per prompt (None: greedy)."""
     sess = eng.new_session()
-    eng.generate(prompts[0], warm_n, settings, sess)
+    eng.generate(prompts[0], warm_n, settings, sess, sampling=sampling[0] if sampling else None)
     if after_warm_up is not None:
         after_warm_up()
     out = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         sess.reset()
-        out.append(eng.generate(prompt, n, settings, sess).stats)
+        out.append(eng.generate(prompt, n, settings, sess, sampling=sampling[i] if sampling else None).stats)
     return out
 
 
@@ -276,6 +286,41 @@ def section_bf16(model_dir: Path, n: int) -> None:
     say()
 
 
+def section_s(eng: Engine, n: int) -> None:
+    say("== (s) sampling: speculative sampling vs target-only sampling at the same settings (bf16, chain on) ==")
+    say("mean t/s over the four workloads x seeds 0 and 1; acc.len = tokens per round")
+    prompts = workload_prompts(eng) * 2
+    cases = [
+        ("T 0.7", SamplingParams(temperature=0.7)),
+        ("T 1.0", SamplingParams(temperature=1.0)),
+        ("T 0.6 k20 p0.95", SamplingParams(temperature=0.6, top_k=20, top_p=0.95)),
+    ]
+    greedy, _ = mean_tps(eng, EngineSettings(speculative=False, plan_pool=8), n)
+    say(f"greedy target-only for reference: {greedy:.1f} t/s")
+    say(f"{'sampling':<17} {'target t/s':>10} {'depth':>5} {'spec t/s':>9} {'acc.len':>8} {'speedup':>8}")
+    for label, sp in cases:
+        per_prompt = [sp.replace(seed=i // 4) for i in range(len(prompts))]
+
+        def tps(settings: EngineSettings, sp_list=per_prompt) -> tuple[float, float]:
+            runs = run_prompts(eng, settings, n, prompts, sampling=sp_list)
+            return (
+                statistics.fmean(r["tokens_per_second"] for r in runs),
+                statistics.fmean(r["mean_accepted_length"] for r in runs),
+            )
+
+        target, _ = tps(EngineSettings(speculative=False, plan_pool=8))
+        best = (0.0, 0, 0.0)
+        for depth in (3, 5, 8):
+            spec, acc = tps(EngineSettings(draft_depth=depth, chain=True, plan_pool=8))
+            say(f"{label:<17} {target:>10.1f} {depth:>5} {spec:>9.1f} {acc:>8.2f} {spec / target:>7.2f}x")
+            if spec > best[0]:
+                best = (spec, depth, acc)
+        say(
+            f"{label:<17} best: depth {best[1]}, {best[0] / target:.2f}x target-only sampling ({best[2]:.2f} per round)"
+        )
+    say()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -306,6 +351,10 @@ def main() -> int:
             section_d(bw)
         if "bf16" in sections:
             section_bf16(model_dir, a.n)
+        if "s" in sections:
+            eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+            section_s(eng, a.n)
+            del eng
     finally:
         save(a.out)
     return 0

@@ -2,6 +2,7 @@
 
 from .engine import Engine, GenerateResult, bundled_model_dir
 from .errors import EngineError, ModelLoadError
+from .sampling import SamplingParams
 from .settings import EngineSettings
 from .state import Session
 from .stats import RoundEvent
@@ -15,6 +16,7 @@ __all__ = [
     "GenerateResult",
     "ModelLoadError",
     "RoundEvent",
+    "SamplingParams",
     "Session",
     "__version__",
     "bundled_model_dir",

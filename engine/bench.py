@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .sampling import SamplingParams
 from .settings import EngineSettings
 from .workloads import WORKLOAD_NAMES, load_workloads
 
@@ -25,6 +26,7 @@ from .workloads import WORKLOAD_NAMES, load_workloads
 class BenchArm:
     name: str
     settings: EngineSettings
+    sampling: SamplingParams | None = None  # None: greedy (every arm's text must then be the same)
 
 
 @dataclass
@@ -79,10 +81,13 @@ class BenchReport:
 
     @property
     def arms_agree(self) -> bool:
-        """Every arm produced the same text on every workload (speculation must never change text)."""
+        """Every greedy arm produced the same text on every workload (speculation must never change text).
+        Sampled arms are left out: speculation keeps their distribution, not their text."""
         for w in self.workloads:
             seen = set()
             for a in self.arms:
+                if a.sampling is not None and not a.sampling.greedy:
+                    continue
                 seen |= self.hashes(a.name, w)
             if len(seen) > 1:
                 return False
@@ -125,6 +130,10 @@ class BenchReport:
             cells = [",".join(sorted(self.hashes(n, w))) for n in names]
             lines.append(f"{w:<12}" + "".join(f" {c:>14}" for c in cells))
         lines.append("")
+        if any(a.sampling is not None for a in self.arms):
+            lines.append(
+                "sampled arms: left out of the text check (speculation keeps their distribution, not their text)"
+            )
         lines.append("outputs identical across arms" if self.arms_agree else "WARNING: the arms' output texts differ")
         return "\n".join(lines)
 
@@ -134,7 +143,11 @@ class BenchReport:
             "rounds": self.rounds,
             "max_new_tokens": self.max_new_tokens,
             "workloads": self.workloads,
-            "arms": [{"name": a.name, "settings": a.settings.to_dict()} for a in self.arms],
+            "arms": [
+                {"name": a.name, "settings": a.settings.to_dict()}
+                | ({"sampling": a.sampling.to_dict()} if a.sampling is not None else {})
+                for a in self.arms
+            ],
             "summary": {
                 a.name: {
                     "mean_tokens_per_second": self.mean_tps(a.name),
@@ -193,7 +206,8 @@ def run_bench(
     if warmup:  # one untimed full-length run per arm: its plans (CUDA graphs) get captured here
         for a in arms:
             session.reset()
-            engine.generate(available[workloads[0]].prompt_for(engine.tokenizer), max_new_tokens, a.settings, session)
+            prompt = available[workloads[0]].prompt_for(engine.tokenizer)
+            engine.generate(prompt, max_new_tokens, a.settings, session, sampling=a.sampling)
     for rnd in range(rounds):
         order = arms if rnd % 2 == 0 else list(reversed(arms))
         for w in workloads:
@@ -202,7 +216,7 @@ def run_bench(
                 if should_stop is not None and should_stop():
                     return report
                 session.reset()
-                res = engine.generate(prompt, max_new_tokens, a.settings, session)
+                res = engine.generate(prompt, max_new_tokens, a.settings, session, sampling=a.sampling)
                 s = res.stats
                 report.rows.append(
                     BenchRow(

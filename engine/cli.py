@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import EngineError
+from .sampling import SamplingParams
 from .settings import EngineSettings
 
 KNOB_KEYS = {
@@ -25,6 +26,8 @@ KNOB_KEYS = {
     "mirror_output": bool,
     "plan_pool": int,
 }
+# Sampling keys an arm may change too ('temperature=0.7,seed=3'); temperature 0 = greedy.
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "seed": int}
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,41 @@ def _add_knob_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sub-vocab", type=int, default=d.sub_vocab, help="draft over the first N ids (0 = all)")
     p.add_argument("--plan-pool", type=int, default=d.plan_pool, help="CUDA graphs kept (0 = none)")
     p.add_argument("--mirror-output", action=argparse.BooleanOptionalAction, default=d.mirror_output)
+    s = SamplingParams()
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=s.top_k, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus: smallest set reaching this mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=s.min_p, help="drop tokens below min_p x the top one (0 = off)")
+    p.add_argument("--seed", type=int, default=s.seed, help="random seed: same seed + settings = same text")
+
+
+def _sampling_from_args(a: argparse.Namespace) -> SamplingParams | None:
+    """None for greedy (temperature 0), else the validated SamplingParams (ValueError names the field)."""
+    sp = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed)
+    return None if sp.greedy else sp
+
+
+def parse_arm_sampling(spec: str, base: SamplingParams | None) -> SamplingParams | None:
+    """The sampling of an arm: base changed by the sampling keys of a 'key=value,...' spec, or a saved
+    profile's [sampling] part (a profile without one samples like base)."""
+    if "=" not in spec:
+        from .profiles import load_profile
+
+        profile = load_profile(spec)
+        return profile.sampling if profile.sampling is not None else base
+    changes: dict[str, object] = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if key in SAMPLING_KEYS:
+            try:
+                changes[key] = SAMPLING_KEYS[key](value.strip())
+            except ValueError:
+                raise ValueError(f"{key} must be a {SAMPLING_KEYS[key].__name__}, got {value!r}") from None
+    if not changes:
+        return base
+    sp = (base or SamplingParams(temperature=0.0)).replace(**changes)
+    return None if sp.greedy else sp
 
 
 def _settings_from_args(a: argparse.Namespace) -> EngineSettings:
@@ -74,8 +112,11 @@ def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, En
         for part in spec.split(","):
             key, _, value = part.partition("=")
             key = key.strip().replace("-", "_")
+            if key in SAMPLING_KEYS:
+                continue  # parse_arm_sampling reads those
             if key not in KNOB_KEYS:
-                raise ValueError(f"unknown knob {key!r} in {spec!r}; known: {', '.join(sorted(KNOB_KEYS))}")
+                known = ", ".join(sorted(KNOB_KEYS | SAMPLING_KEYS.keys()))
+                raise ValueError(f"unknown knob {key!r} in {spec!r}; known: {known}")
             kind = KNOB_KEYS[key]
             key = "draft_depth" if key == "depth" else key
             v = value.strip().lower()
@@ -111,12 +152,13 @@ def _load_engine(a: argparse.Namespace):
 
 def cmd_generate(a: argparse.Namespace) -> int:
     settings = _settings_from_args(a)
+    sampling = _sampling_from_args(a)
     eng = _load_engine(a)
     if a.json:
-        res = eng.generate(a.prompt, a.n, settings)
+        res = eng.generate(a.prompt, a.n, settings, sampling=sampling)
         print(json.dumps({"tokens": res.tokens, "text": res.text, "stats": res.stats}, indent=2))
         return 0
-    for ev in eng.stream(a.prompt, a.n, settings):
+    for ev in eng.stream(a.prompt, a.n, settings, sampling=sampling):
         sys.stdout.write(ev.text)
         sys.stdout.flush()
         last = ev
@@ -135,14 +177,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     eng = _load_engine(a)
     base = _settings_from_args(a)
+    sampling = _sampling_from_args(a)
     if a.profile:
         name, first = parse_arm(a.profile, eng.cfg.vocab_size, base)
+        sampling = parse_arm_sampling(a.profile, sampling)
     else:
         name, first = "A (flags)", base
-    arms = [BenchArm(name, first)]
+    arms = [BenchArm(name, first, sampling)]
     if a.vs:
         vs_name, second = parse_arm(a.vs, eng.cfg.vocab_size, first)
-        arms.append(BenchArm(vs_name if vs_name != name else vs_name + " (B)", second))
+        vs_sampling = parse_arm_sampling(a.vs, sampling)
+        arms.append(BenchArm(vs_name if vs_name != name else vs_name + " (B)", second, vs_sampling))
     workloads = [w.strip() for w in a.workloads.split(",")] if a.workloads else None
 
     def progress(done: int, total: int, msg: str) -> None:
@@ -170,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"specdeck {__version__}")
     sub = p.add_subparsers(dest="command")
 
-    g = sub.add_parser("generate", help="generate text (greedy; speculation never changes it)")
+    g = sub.add_parser("generate", help="generate text (greedy by default; speculation never changes it)")
     _add_model_args(g)
     _add_knob_args(g)
     g.add_argument("--prompt", required=True)

@@ -23,6 +23,7 @@ from .gemm import check_mode as check_gemm
 from .loader import DTYPES, load_weights
 from .model import Model
 from .plans import PlanPool
+from .sampling import SamplingParams, active
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import check_fits, prefill, run_round
 from .state import Session
@@ -339,6 +340,7 @@ class Engine:
         (sessions, plan pools, mirroring): the same object is returned while nothing did."""
         sessions = self._sessions()
         key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
+        key += (sum(getattr(s.state, "sampling_buffers", None) is not None for s in sessions),)
         if self._memory_cache is None or self._memory_cache[0] != key:
             self._memory_cache = (key, self.memory_by_device(local=True))
         return self._memory_cache[1]
@@ -368,6 +370,9 @@ class Engine:
         for sess in self._sessions():
             for key, tensors in sess.state.buffers().items():
                 add(tensors, key)
+            sampling_buffers = getattr(sess.state, "sampling_buffers", None)  # made at the first sampled round
+            if sampling_buffers is not None:
+                add(sampling_buffers.tensors(), "workspace")
             if sess.plans.pool_bytes:
                 entry = out.setdefault(label, dict.fromkeys(MEMORY_KEYS, 0))
                 entry["graph_pools"] += sess.plans.pool_bytes
@@ -447,10 +452,11 @@ class Engine:
         max_new_tokens: int,
         settings: EngineSettings | None = None,
         session: Session | None = None,
+        sampling: SamplingParams | None = None,
     ) -> GenerateResult:
         tokens: list[int] = []
         stats: dict[str, Any] = {}
-        for ev in self.stream(prompt, max_new_tokens, settings, session):
+        for ev in self.stream(prompt, max_new_tokens, settings, session, sampling=sampling):
             tokens.extend(ev.tokens)
             stats = ev.run
         return GenerateResult(tokens, self.tokenizer.decode(tokens), stats)
@@ -461,8 +467,15 @@ class Engine:
         max_new_tokens: int,
         settings: EngineSettings | None = None,
         session: Session | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[RoundEvent]:
-        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary."""
+        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary.
+        `sampling`: None or temperature 0 = greedy; else tokens are drawn (speculative sampling keeps the
+        target's distribution; see engine/sampling.py)."""
+        try:
+            sampling = active(sampling)
+        except TypeError as exc:
+            raise EngineError(str(exc)) from None
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         sess = session or self.default_session
@@ -474,7 +487,7 @@ class Engine:
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
         sess._clear_cancel()  # here, not in the generator: a cancel right after stream() returns counts
-        return self._run(sess, ids, max_new_tokens)
+        return self._run(sess, ids, max_new_tokens, sampling=sampling)
 
     def _run(
         self,
@@ -484,10 +497,12 @@ class Engine:
         rounds=None,
         reset: bool | None = None,
         drafter=None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[RoundEvent]:
         """The round loop, the same on every rank. Rank 0 (`rounds` None) decides at each round boundary
         which settings apply and whether to stop, and tells the workers; a worker (`rounds` given) gets
-        those decisions, and `reset` and `drafter`, from rank 0."""
+        those decisions, and `reset` and `drafter`, from rank 0. `sampling` is sent to the workers with the
+        run: every rank draws the same tokens from the same logits, seed and position."""
         leader = rounds is None
         if leader:
             drafter = sess.test_drafter
@@ -498,7 +513,7 @@ class Engine:
                 reset = ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens
             if leader and self.cluster is not None:
                 eos = self.tokenizer.eos_token_ids
-                self.cluster.send("run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None)
+                self.cluster.send("run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling)
                 if drafter is not None:
                     drafter = leader_drafter(drafter, self.cluster)
             if reset:
@@ -534,6 +549,7 @@ class Engine:
                         self.tokenizer.eos_token_ids,
                         in_round_cancel,
                         drafter,
+                        sampling,
                     )
                 if out.cancelled:
                     stats.stop_reason = "cancelled"

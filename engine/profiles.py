@@ -12,6 +12,11 @@ A profile file looks like this (every key but `notes`, `hardware` and `bench` is
     ...
     sub_vocab_fraction = 0.2157   # optional: sub_vocab as a fraction of the model's vocabulary
 
+    [sampling]                 # optional: SamplingParams.to_dict(), every field listed; absent: the profile
+                               # says nothing about sampling (greedy unless set elsewhere)
+    temperature = 0.7
+    ...
+
     [hardware]                 # where it was tuned (hardware_fingerprint())
     [bench]                    # the last bench figures measured with it
 
@@ -43,6 +48,7 @@ from typing import Any
 
 import tomli_w
 
+from engine.sampling import SamplingParams
 from engine.settings import EngineSettings
 
 # Bump when the file layout changes in a way older readers would misread. Readers accept
@@ -53,7 +59,8 @@ CONFIG_DIR_ENV = "SPECDECK_CONFIG_DIR"
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent.parent / "assets" / "profiles"
 LAST_USED_NAME = "last used"
 
-_TOP_LEVEL_KEYS = {"version", "name", "notes", "settings", "hardware", "bench"}
+_TOP_LEVEL_KEYS = {"version", "name", "notes", "settings", "sampling", "hardware", "bench"}
+_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
 _SETTING_KEYS = {f.name for f in dataclasses.fields(EngineSettings)}
 # Not an EngineSettings field: a profile may give sub_vocab relative to the model's vocabulary,
 # so one profile fits models of any vocabulary size (settings_for() turns it into a count).
@@ -88,6 +95,7 @@ class Profile:
     version: int = PROFILE_FORMAT_VERSION
     path: Path | None = None  # the file it was read from (None: not saved yet)
     shipped: bool = False  # from assets/profiles: read-only
+    sampling: SamplingParams | None = None  # None: no [sampling] table (sampling left as it is; greedy by default)
 
     def settings_for(self, vocab_size: int) -> EngineSettings:
         """The settings for a model with this vocabulary size (sub_vocab_fraction scaled to it)."""
@@ -111,6 +119,8 @@ class Profile:
             "notes": self.notes,
             "settings": settings,
         }
+        if self.sampling is not None:
+            data["sampling"] = self.sampling.to_dict()
         # TOML has no null: drop empty readings rather than writing zeros in their place.
         if self.hardware:
             data["hardware"] = _drop_none(self.hardware)
@@ -194,7 +204,27 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     except TypeError as exc:
         raise fail(f"[settings]: {exc}") from None
 
+    sampling = None
+    raw_sampling = data.get("sampling")
+    if raw_sampling is not None:
+        if not isinstance(raw_sampling, dict):
+            raise fail("field 'sampling' must be a table")
+        unknown = sorted(set(raw_sampling) - _SAMPLING_KEYS)
+        if unknown:
+            raise fail(
+                f"unknown sampling setting(s) {', '.join('sampling.' + k for k in unknown)}; known: "
+                f"{', '.join(sorted(_SAMPLING_KEYS))}"
+            )
+        missing = sorted(_SAMPLING_KEYS - set(raw_sampling))
+        if missing:
+            raise fail(f"incomplete: missing sampling setting(s) {', '.join('sampling.' + k for k in missing)}")
+        try:
+            sampling = SamplingParams.from_dict(raw_sampling)
+        except ValueError as exc:  # names the field ("top_p must be a number in (0, 1] ...")
+            raise fail(f"sampling.{exc}") from None
+
     return Profile(
+        sampling=sampling,
         name=name.strip(),
         settings=settings,
         notes=notes,

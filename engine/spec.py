@@ -13,6 +13,11 @@ Data flow of one round (the same code on every device; on CUDA the two device ph
         emitted count, the tokens and the new cache length into device buffers
   read  out_buf -> pinned host memory: the round's one device-to-host synchronisation
   host  tags the snapshot planes, rolls back to the accepted length, applies EOS and the token budget
+
+Sampled rounds (`sampling` with temperature > 0, engine/sampling.py) keep this flow: the draft draws each token
+from its processed distribution q (its row kept in the session's q_buf), the verify turns the target's rows into
+p and `spec_accept` applies the speculative-sampling rule, writing the same out_buf; random numbers come from a
+hash of (seed_buf, start_buf, slot, purpose), so graphs replay without the host.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels import ops
+from kernels import reference as ref_ops
 
 from .errors import EngineError
 from .model import Model
 from .plans import PlanPool
+from .sampling import SamplingBuffers, SamplingParams, active, buffers_for
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .state import SessionState
 
@@ -197,6 +204,79 @@ def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None
     )
 
 
+# ---- sampled rounds (SamplingParams with temperature > 0; engine/sampling.py) ---------------------------------
+# The same round with draws instead of argmaxes: every draw is keyed by (seed, start_buf = the round's start
+# position, slot, purpose), so the device draws without the host and a rerun draws the same numbers.
+# Several devices: every rank runs this same round; model.lm_head gives every rank the full logits (mirror_output
+# off all-gathers the vocabulary slices: sampling needs whole rows, the distributed argmax is not enough), and
+# every draw depends only on logits, seed and position, so all ranks draw the same tokens (no host RNG, no
+# rank-dependent state; Engine._run sends `sampling` to the workers with the run).
+
+
+def _process(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    return ops.sample_probs(logits, 0, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+
+
+def _draft_chain_sampled(
+    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, sub: int, sp: SamplingParams
+) -> None:
+    """Catch-up rows + `depth` draft steps, each drawn from q on the device; q rows into bufs.q_buf, (token,
+    q(token)) into ids_buf[1:] / probs_buf (p_min applies to q(token))."""
+    y = _catch_up(model, state, width)
+    for s in range(depth):
+        q = _process(model.lm_head(y, sub), sp)  # [1, Vq]
+        tok, prob = ops.sample_token(q, bufs.seed_buf, state.start_buf, s, ref_ops.RNG_DRAFT)
+        bufs.q_buf[s : s + 1, : q.shape[1]].copy_(q)
+        state.ids_buf[1 + s : 2 + s].copy_(tok)
+        state.probs_buf[s : s + 1].copy_(prob)
+        if s + 1 < depth:
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+
+
+def _draft_host_sampled(
+    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, p_min: float, sp: SamplingParams
+) -> int:
+    """Chain off: each step's row comes to the host, which processes it and draws (the same numbers the device
+    would draw: the round's start position is n - 1); the q row goes back to bufs.q_buf for the verify."""
+    y = _catch_up(model, state, width)
+    pos = len(state.tokens) - 1
+    n = 0
+    for s in range(depth):
+        q = ref_ops.sample_probs(model.lm_head(y).float().cpu(), 0, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+        tok, prob = ref_ops.sample_token(q, bufs.seed_host, pos, s, ref_ops.RNG_DRAFT)
+        if float(prob[0]) < p_min:
+            break
+        bufs.q_buf[s].copy_(q[0])
+        state.ids_buf[1 + s] = int(tok[0])
+        n += 1
+        if s + 1 < depth:
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+    state.probs_buf[:n].fill_(1.0)  # already filtered by p_min on the host
+    return n
+
+
+def _verify_sampled(
+    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, vq: int, p_min: float, sp: SamplingParams
+) -> None:
+    """Target over ids_buf[:width]; hidden rows saved; speculative-sampling acceptance into out_buf /
+    cache_len_buf (the layout greedy_accept writes)."""
+    hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
+    state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
+    p = _process(model.lm_head(hidden), sp)  # [width, V]
+    state.cache_len_buf.copy_(state.start_buf)
+    ops.spec_accept(
+        state.ids_buf[1:width],
+        state.probs_buf[: width - 1],
+        bufs.q_buf[: width - 1, :vq],
+        p,
+        p_min,
+        bufs.seed_buf,
+        state.start_buf,
+        state.cache_len_buf,
+        state.out_buf[: width + 2],
+    )
+
+
 def run_round(
     model: Model,
     state: SessionState,
@@ -206,9 +286,17 @@ def run_round(
     eos_ids: frozenset[int],
     is_cancelled: Callable[[], bool] = lambda: False,
     drafter: Drafter | None = None,
+    sampling: SamplingParams | None = None,
 ) -> RoundOutcome:
-    """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification)."""
+    """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification). `sampling`
+    None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py)."""
     check_fits(model, settings)
+    sp = active(sampling)
+    vocab = model.cfg.vocab_size
+    bufs = buffers_for(state, vocab) if sp is not None else None
+    if bufs is not None:
+        bufs.set_seed(sp.seed)
+    vq = vocab  # the width of the draft's q rows the verify reads (sampling)
     n = len(state.tokens)
     if state.target_len != n - 1:
         refill(model, state)
@@ -238,9 +326,23 @@ def run_round(
         if proposal:
             state.ids_buf[1 : 1 + n_drafts] = torch.tensor(proposal, dtype=torch.long)
             state.probs_buf[:n_drafts].fill_(1.0)
+            if bufs is not None:  # a deterministic proposal is a draft distribution with all mass on it
+                bufs.q_buf[:n_drafts].zero_()
+                bufs.q_buf[torch.arange(n_drafts), torch.tensor(proposal, dtype=torch.long)] = 1.0
         p_min = 0.0
     elif not use_mtp:
         n_drafts = 0
+    elif settings.chain and sp is not None:
+        sub = settings.sub_vocab
+        vq = sub or vocab
+        if width_mtp <= MAX_PLANNED_CATCHUP:
+            plans.run(
+                ("draft", width_mtp, depth, sub, *model.plan_tag, sp.plan_key),
+                pool,
+                lambda: _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp),
+            )
+        else:
+            _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
         if width_mtp <= MAX_PLANNED_CATCHUP:
@@ -251,6 +353,9 @@ def run_round(
             )
         else:
             _draft_chain(model, state, width_mtp, depth, sub)
+    elif sp is not None:
+        n_drafts = _draft_host_sampled(model, state, bufs, width_mtp, depth, p_min, sp)
+        p_min = 0.0
     else:
         n_drafts = _draft_host(model, state, width_mtp, depth, p_min)
         p_min = 0.0
@@ -261,7 +366,14 @@ def run_round(
         return RoundOutcome([], [], 0, 0, time.perf_counter() - t0, 0.0, 0.0, False, cancelled=True)
 
     width = n_drafts + 1
-    plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
+    if sp is not None:
+        plans.run(
+            ("verify", width, p_min, *model.plan_tag, vq, sp.plan_key),
+            pool,
+            lambda: _verify_sampled(model, state, bufs, width, vq, p_min, sp),
+        )
+    else:
+        plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
     t_launched = time.perf_counter()
     clock.mark()
     out_host = state.out_host[: width + 2]

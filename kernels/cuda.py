@@ -835,6 +835,195 @@ def greedy_accept(
     return None
 
 
+# ---- sampling (a module of its own: cuda_src/sampling_kernels.cu, fp32, one per device) ---------------------
+_SAMPLING_SRC = Path(__file__).resolve().parent / "cuda_src" / "sampling_kernels.cu"
+_SAMPLING_KERNELS = ("sample_probs_rows", "sample_token_rows", "spec_accept_k")
+_sampling_fns: dict[tuple[int, str], object] = {}
+_sampling_modules: dict[int, object] = {}
+_sampling_failed: dict[int, str] = {}  # device -> why its sampling module did not compile or load
+_SK_THREADS = 1024
+
+
+def _sampling_function(dev: int, name: str):
+    key = (dev, name)
+    fn = _sampling_fns.get(key)
+    if fn is None:
+        with _lock:
+            fn = _sampling_fns.get(key)
+            if fn is None:
+                with _cp.cuda.Device(dev):
+                    mod = _sampling_modules.get(dev)
+                    if mod is None:
+                        mod = _cp.RawModule(code=_SAMPLING_SRC.read_text(), options=_OPTIONS)
+                        mod.compile()
+                        _sampling_modules[dev] = mod
+                    fn = mod.get_function(name).kernel
+                _sampling_fns[key] = fn
+    return fn
+
+
+def _sampling_ready(device: torch.device) -> bool:
+    """Whether the sampling kernels run on `device`. A module that does not compile or load is reported once
+    (a warning) and the ops take their references (capture-safe, slower); `sampling_kernels()` says why."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev in _sampling_failed:
+        return False
+    if all((dev, name) in _sampling_fns for name in _SAMPLING_KERNELS):
+        return True
+    try:
+        for name in _SAMPLING_KERNELS:
+            _sampling_function(dev, name)
+    except Exception as exc:  # noqa: BLE001 - any failure means "use the references"
+        _sampling_failed[dev] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        message = f"SpecDeck sampling kernels unavailable ({_sampling_failed[dev]}); using the PyTorch references"
+        warnings.warn(message, stacklevel=3)
+        return False
+    return True
+
+
+def _launch_sampling(name: str, device: torch.device, grid, args) -> None:
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    fn = _sampling_function(dev, name)
+    stream = _stream(device)
+    if _cp.cuda.runtime.getDevice() != dev:
+        with _cp.cuda.Device(dev):
+            fn(tuple(grid), (_SK_THREADS,), args, stream=stream)
+    else:
+        fn(tuple(grid), (_SK_THREADS,), args, stream=stream)
+
+
+def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rows with unit column stride (a copy only when needed)."""
+    x = x if x.dtype == torch.float32 else x.float()
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def sample_probs(
+    logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    if not _cuda_ok(logits) or logits.dim() != 2 or logits.dtype not in _KIND or not _sampling_ready(logits.device):
+        return reference.sample_probs(logits, n, temperature, top_k, top_p, min_p)
+    t, vocab = logits.shape
+    n = vocab if n <= 0 else min(int(n), vocab)
+    out = torch.empty((t, n), dtype=torch.float32, device=logits.device)
+    if t == 0 or n == 0:
+        return out
+    lg = _f32_rows(logits)
+    _launch_sampling(
+        "sample_probs_rows",
+        logits.device,
+        (t,),
+        (
+            _p(lg),
+            np.int64(lg.stride(0)),
+            np.int32(n),
+            np.float32(temperature),
+            np.int32(top_k),
+            np.float32(top_p),
+            np.float32(min_p),
+            _p(out),
+            np.int64(out.stride(0)),
+        ),
+    )
+    return out
+
+
+def sample_token(
+    probs: torch.Tensor, seed: torch.Tensor, start: Start, slot: int, purpose: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _cuda_ok(probs, seed) or probs.dim() != 2 or seed.dtype != torch.int64 or not _sampling_ready(probs.device):
+        return reference.sample_token(probs, seed, start, slot, purpose)
+    t, n = probs.shape
+    tok = torch.empty((t,), dtype=torch.int64, device=probs.device)
+    prob = torch.empty((t,), dtype=torch.float32, device=probs.device)
+    if t == 0 or n == 0:
+        return tok, prob
+    pr = _f32_rows(probs)
+    sp, sv = _start_args(start, probs.device)
+    _launch_sampling(
+        "sample_token_rows",
+        probs.device,
+        (t,),
+        (
+            _p(pr),
+            np.int64(pr.stride(0)),
+            np.int32(n),
+            _p(seed.reshape(-1)),
+            sp,
+            sv,
+            np.int32(slot),
+            np.int32(purpose),
+            _p(tok),
+            _p(prob),
+        ),
+    )
+    return tok, prob
+
+
+def spec_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    p_min: float,
+    seed: torch.Tensor,
+    start: Start,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    if (
+        not _cuda_ok(drafts, draft_probs, q_rows, p_rows, seed, cache_len, out)
+        or drafts.dtype != torch.int64
+        or seed.dtype != torch.int64
+        or cache_len.dtype != torch.int64
+        or out.dtype != torch.int64
+        or not out.is_contiguous()
+        or q_rows.dim() != 2
+        or p_rows.dim() != 2
+        or not _sampling_ready(p_rows.device)
+    ):
+        return reference.spec_accept(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
+    n = drafts.shape[0]
+    d = drafts.contiguous()
+    dp = draft_probs.float().contiguous()
+    q = _f32_rows(q_rows)
+    pr = _f32_rows(p_rows)
+    sp, sv = _start_args(start, p_rows.device)
+    _launch_sampling(
+        "spec_accept_k",
+        p_rows.device,
+        (1,),
+        (
+            _p(d),
+            _p(dp),
+            _p(q) if q.numel() else _NULL,
+            np.int64(q.stride(0) if q.numel() else 0),
+            np.int32(q.shape[1]),
+            _p(pr),
+            np.int64(pr.stride(0)),
+            np.int32(pr.shape[1]),
+            np.int32(n),
+            np.float64(p_min),
+            _p(seed.reshape(-1)),
+            sp,
+            sv,
+            _p(cache_len.reshape(-1)),
+            _p(out),
+        ),
+    )
+    return None
+
+
+def sampling_kernels() -> tuple[bool, str]:
+    """Whether the sampling module compiles and loads on the current device (the ops use it when it does)."""
+    if _cp is None:
+        return False, _CUPY_ERROR or "CuPy is not installed"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if _sampling_ready(dev):
+        return True, "sampling kernels loaded"
+    return False, _sampling_failed[dev.index]
+
+
 # ---- warm-up ------------------------------------------------------------------------------------------
 _KERNELS_PER_DTYPE = (
     [
@@ -876,6 +1065,7 @@ def warm_up(device: torch.device | str | int, dtype: torch.dtype) -> None:
     dev, kind = device.index, _KIND[dtype]
     for name in _KERNELS_PER_DTYPE:
         _function(dev, kind, name)
+    _sampling_ready(device)  # compiled and loaded here, or reported once and left to the references
     _sms(device)
     with torch.cuda.device(device):
         _exercise(device, dtype)
@@ -933,3 +1123,7 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         z(1, dtype=torch.int64, device=device),
         out,
     )
+    seed = z(1, dtype=torch.int64, device=device)
+    probs = sample_probs(lg[:, :100], 0, 0.7, 5, 0.9, 0.05)
+    tok, prob = sample_token(probs, seed, start, 0, 1)
+    spec_accept(tok[:1], prob[:1], probs[:1], probs, 0.0, seed, start, z(1, dtype=torch.int64, device=device), out[:4])

@@ -21,6 +21,9 @@ NAMES = (
     "chunk_gated_delta_rule",
     "argmax_prob",
     "greedy_accept",
+    "sample_probs",
+    "sample_token",
+    "spec_accept",
 )
 
 rmsnorm = reference.rmsnorm
@@ -37,6 +40,9 @@ gated_delta_rule = reference.gated_delta_rule
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
 argmax_prob = reference.argmax_prob
 greedy_accept = reference.greedy_accept
+sample_probs = reference.sample_probs
+sample_token = reference.sample_token
+spec_accept = reference.spec_accept
 
 _cuda_enabled = False
 

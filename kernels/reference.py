@@ -296,3 +296,163 @@ def greedy_accept(
     out[2 : 2 + k] = drafts[:k]
     out[2 + k] = target_tokens[k]
     cache_len[0] += k + 1
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------
+# Random numbers are counter-based: u = hash(seed, round position, slot, purpose), a pure function of integers,
+# so a captured CUDA graph draws new numbers at every replay (the position is read from a device buffer) with no
+# generator state, the host can draw the same numbers (chain-off drafting), and every rank of a tensor-parallel
+# model draws the same ones. The CUDA kernels compute the same integers (kernels/cuda_src/sampling_kernels.cu).
+# Nothing in these references synchronises with the host (no .item(), no data-dependent shapes): on a GPU they
+# may run inside a captured graph.
+RNG_DRAFT, RNG_ACCEPT, RNG_RESAMPLE = 1, 2, 3  # the purposes: a draft pick, an acceptance test, a target pick
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32 in int64 without overflow (two 16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32), on int64 tensors holding 0 <= x < 2^32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rng_uniform(seed: torch.Tensor, start: Start, slots: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (multiples of 2^-24, fp32), one per slot: hash(seed, start, slot, purpose).
+
+    seed: 1-element int64 tensor (0 <= seed < 2^63); start: the round's position (host int or 1-element int64
+    tensor); slots: int64 tensor of any shape, on the device the result should be on."""
+    dev = slots.device
+    s = seed.reshape(-1)[:1].to(dev)
+    pos = torch.tensor([int(start)], device=dev) if isinstance(start, int) else start.reshape(-1)[:1].to(dev)
+    h = _mix32((s & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((s >> 32) & _M32))
+    h = _mix32(h ^ (pos & _M32))
+    h = _mix32(h ^ ((slots * 8 + purpose) & _M32))
+    return (h >> 8).float() * (2.0**-24)
+
+
+def sample_probs(
+    logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, min_p: float
+) -> torch.Tensor:
+    """The sampling distribution of each row over its first n ids (n = 0: all): logits / temperature, top-k
+    (keep values >= the k-th largest: ties at the k-th are kept), softmax, top-p (keep p >= t where t is the
+    smallest probability whose strictly-larger mass is < top_p: the smallest set reaching top_p, ties kept),
+    min-p (keep p >= min_p * max p), renormalised. logits [T, V] -> probs [T, n] fp32 (zeros where cut).
+    temperature > 0; top_k 0 = off; top_p 1 = off; min_p 0 = off."""
+    x = logits if n <= 0 else logits[:, :n]
+    x = x.float() / temperature
+    width = x.shape[-1]
+    if 0 < top_k < width:
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sp = p.sort(dim=-1, descending=True).values
+        kept = ((sp.cumsum(-1) - sp) < top_p).sum(-1, keepdim=True).clamp(min=1)
+        p = p.masked_fill(p < sp.gather(-1, kept - 1), 0.0)
+    if min_p > 0.0:
+        p = p.masked_fill(p < min_p * p.amax(-1, keepdim=True), 0.0)
+    return p / p.sum(-1, keepdim=True)
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of non-negative weights w [B, V] (need not sum to 1) with uniforms u [B]:
+    the first index whose running sum exceeds u * total, never an index of weight 0."""
+    cs = w.cumsum(-1)
+    idx = (cs <= (u * cs[:, -1])[:, None]).sum(-1)
+    cols = torch.arange(w.shape[-1], device=w.device)
+    last = torch.where(w > 0, cols, torch.zeros_like(cols)).amax(-1)
+    return torch.minimum(idx, last)
+
+
+def sample_token(
+    probs: torch.Tensor, seed: torch.Tensor, start: Start, slot: int, purpose: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one id per row of probs [T, n] with the uniforms of slots slot .. slot+T-1: (token [T] int64,
+    its probability [T] fp32)."""
+    t = probs.shape[0]
+    slots = torch.arange(slot, slot + t, device=probs.device)
+    tok = _inverse_cdf(probs.float(), rng_uniform(seed, start, slots, purpose))
+    return tok, probs.float().gather(1, tok[:, None])[:, 0]
+
+
+def speculative_accept_rows(
+    drafts: torch.Tensor,
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    n_valid: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_resample: torch.Tensor,
+    rule: str = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling rule on a batch of B rounds (the ground truth `spec_accept` runs with B = 1).
+
+    drafts [B, n] int64 (drawn from q); q_rows [B, n, Vq] the draft distributions (over the first Vq ids, zero
+    beyond); p_rows [B, n+1, V] the target's; n_valid [B] drafts that count; u_accept [B, n], u_resample [B, n+1]
+    uniforms in [0, 1). Draft i is accepted when u_accept[i] * q_i(x_i) < p_i(x_i) (probability
+    min(1, p/q)); k = accepted prefix (<= n_valid). The new token is drawn with u_resample[k] from
+    normalise(max(0, p_k - q_k)) when draft k was rejected, else (all valid drafts accepted) from p_k.
+    Returns (k [B] int64, new token [B] int64). `rule` other than "exact" is a deliberately wrong rule for the
+    statistical test: "accept_always" or "residual_p" (resample from p_k instead of max(0, p_k - q_k))."""
+    b, n = drafts.shape
+    v = p_rows.shape[-1]
+    dev = p_rows.device
+    p_rows = p_rows.float()
+    q_full = F.pad(q_rows.float(), (0, v - q_rows.shape[-1]))  # [B, n, V]
+    if n > 0:
+        px = p_rows[:, :n].gather(2, drafts[..., None])[..., 0]
+        qx = q_full.gather(2, drafts[..., None])[..., 0]
+        ok = u_accept * qx < px if rule != "accept_always" else torch.ones_like(px, dtype=torch.bool)
+        ok = ok & (torch.arange(n, device=dev)[None, :] < n_valid[:, None])
+        k = ok.long().cumprod(-1).sum(-1)
+    else:
+        k = torch.zeros(b, dtype=torch.long, device=dev)
+    pk = p_rows.gather(1, k[:, None, None].expand(b, 1, v))[:, 0]
+    rejected = k < n_valid
+    if n > 0:
+        qk = q_full.gather(1, k.clamp(max=n - 1)[:, None, None].expand(b, 1, v))[:, 0]
+        resid = pk if rule == "residual_p" else (pk - qk).clamp(min=0.0)
+        w = torch.where(rejected[:, None], resid, pk)
+        w = torch.where(w.sum(-1, keepdim=True) > 0, w, pk)  # p == q on the row (rounding): draw from p
+    else:
+        w = pk
+    return k, _inverse_cdf(w, u_resample.gather(1, k[:, None])[:, 0])
+
+
+def spec_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    q_rows: torch.Tensor,
+    p_rows: torch.Tensor,
+    p_min: float,
+    seed: torch.Tensor,
+    start: Start,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Speculative-sampling acceptance, written into device buffers like `greedy_accept` (same out layout).
+
+    drafts [n] int64 (drawn from q_rows), draft_probs [n] fp32 (q of each draft: only for p_min, as in
+    greedy_accept), q_rows [n, Vq] the draft's processed distributions (any row stride), p_rows [n+1, V] the
+    target's processed distributions (sample_probs). Uniforms: slot i with RNG_ACCEPT for draft i's test, slot k
+    with RNG_RESAMPLE for the new token (see speculative_accept_rows). Writes out[0] = k + 1, out[1] = n_valid,
+    out[2 : 3 + k] = drafts[:k] then the new token; adds k + 1 to cache_len[0]. out must hold n + 3 int64."""
+    n = drafts.shape[0]
+    dev = p_rows.device
+    n_valid = (draft_probs.float() >= p_min).long().cumprod(-1).sum(-1, keepdim=True) if n else drafts.new_zeros(1)
+    slots = torch.arange(n + 1, device=dev)
+    u_acc = rng_uniform(seed, start, slots[:n], RNG_ACCEPT)
+    u_res = rng_uniform(seed, start, slots, RNG_RESAMPLE)
+    k, tok = speculative_accept_rows(drafts[None], q_rows[None], p_rows[None], n_valid, u_acc[None], u_res[None])
+    emitted = torch.where(slots < k, F.pad(drafts, (0, 1)), tok)
+    out[2 : 3 + n].copy_(emitted)
+    out[0:1].copy_(k + 1)
+    out[1:2].copy_(n_valid)
+    cache_len.reshape(-1)[:1].add_(k + 1)
