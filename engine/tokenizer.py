@@ -282,12 +282,15 @@ def render_chat(
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     source: str = "chat template",
-    seconds: float = TEMPLATE_SECONDS,
+    seconds: float | None = None,
     max_chars: int | None = None,
 ) -> str:
     """Compile and render a chat template in the sandbox, within `seconds` and a size limit (any value or
     the output: `max_chars`, by default TEMPLATE_MAX_CHARS plus 4x the messages' text). Raises one-line
-    EngineError naming `source` for a template that is blocked, fails, loops or grows too large."""
+    EngineError naming `source` for a template that is blocked, fails, loops or grows too large.
+    `seconds` defaults to TEMPLATE_SECONDS."""
+    if seconds is None:
+        seconds = TEMPLATE_SECONDS
     if max_chars is None:
         max_chars = TEMPLATE_MAX_CHARS + 4 * sum(_weight(m.get("content", "")) for m in messages)
     limits = _Limits(seconds, max_chars)
