@@ -47,7 +47,7 @@ from typing import Any
 import tomli_w
 
 from engine.settings import EngineSettings
-from engine.untrusted import MiB, exists, one_line, read_capped
+from engine.untrusted import MiB, OutOfTime, exists, one_line, read_capped, time_limit
 
 # Bump when the file layout changes in a way older readers would misread. Readers accept
 # every version up to this one and refuse newer files with a message saying so.
@@ -55,6 +55,7 @@ PROFILE_FORMAT_VERSION = 1
 
 CONFIG_DIR_ENV = "SPECDECK_CONFIG_DIR"
 MAX_PROFILE_BYTES = 4 * MiB  # a profile is a few hundred bytes; notes may be long, not this long
+PARSE_SECONDS = 2.0  # tomllib is pure Python, and slow on some shapes (long dotted keys)
 MAX_NAME_CHARS = 1000  # a profile's name; its file name is shortened further (file_name_for)
 MAX_SLUG_CHARS = 80  # file names stay far below the 255-byte limit, with room for "-NN.toml" and temp names
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent.parent / "assets" / "profiles"
@@ -240,7 +241,10 @@ def read_profile_file(path: str | os.PathLike[str], shipped: bool = False) -> Pr
     if not text.strip():
         raise ProfileError(f"{path.name}: empty file (perhaps cut short by a crash)")
     try:
-        data = tomllib.loads(text)
+        with time_limit(PARSE_SECONDS):
+            data = tomllib.loads(text)
+    except OutOfTime:
+        raise ProfileError(f"{path.name}: not read: parsing it took more than {PARSE_SECONDS:g} s") from None
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"{path.name}: corrupt, not valid TOML ({one_line(exc)})") from None
     except RecursionError:

@@ -8,9 +8,13 @@ followed on purpose: the Hugging Face cache links every file of a model folder t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +120,30 @@ def one_line(exc: BaseException | str, limit: int = 300) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class OutOfTime(BaseException):
+    """Raised inside `time_limit` at its deadline (a BaseException: no `except Exception` swallows it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Stop pure-Python work (e.g. tomllib, which is quadratic on long dotted keys) after `seconds`: a trace
+    function checks the clock on every 256th function call and raises OutOfTime. C code is not interrupted;
+    what runs there must be bounded by size caps. The caller's trace function is put back afterwards."""
+    deadline = time.monotonic() + seconds
+    calls = 0
+
+    def tracer(frame, event, arg):
+        nonlocal calls
+        calls += 1
+        if not calls & 255 and time.monotonic() > deadline:
+            raise OutOfTime
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)

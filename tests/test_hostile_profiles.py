@@ -75,6 +75,7 @@ BAD_CONTENTS = {
     "bench-a-string": (GOOD.replace('name = "good"', 'name = "good"\nbench = "fast"'), "'bench' must be a table"),
     "fraction-nan": (GOOD.replace("[settings]", "[settings]\nsub_vocab_fraction = nan").encode(), "(0, 1]"),
     "long-name": (GOOD.replace('"good"', '"' + "n" * 5000 + '"').encode(), "at most 1000"),
+    "dotted-keys": ((GOOD + "[bench]\n" + ".".join(["a"] * 300_000) + " = 1").encode(), "took more than 2 s"),
     "control-key": (GOOD.replace("plan_pool = 8", 'plan_pool = 8\n"\\u0007\\n" = 1').encode(), "unknown setting"),
 }
 
