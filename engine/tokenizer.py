@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import eos_id_list
+from .config import MAX_VOCAB, eos_id_list
 from .errors import EngineError, ModelLoadError
 from .untrusted import MiB, exists, load_json, one_line, read_capped
 
@@ -68,7 +68,8 @@ class Tokenizer:
         if exists(gen):
             raw = load_json(gen, MAX_GENERATION_CONFIG_BYTES, "generation_config.json", ModelLoadError)
             eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-            ids += eos_id_list(eos, self._tok.get_vocab_size() or 1, f"{gen}: eos_token_id")
+            # Checked for type here; the model's vocabulary (maybe larger than the tokenizer's) is not known yet.
+            ids += eos_id_list(eos, MAX_VOCAB, f"{gen}: eos_token_id")
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.eos_token_id: int | None = min(ids) if ids else None
         self._compiled: Any = None

@@ -6,9 +6,8 @@ from __future__ import annotations
 import io
 import sys
 
-import pytest
-
 import hostile_battery as battery
+import pytest
 
 # One or two of each kind: model-folder paths and files, config values, weights, templates, prompts and
 # arguments, sessions, profiles and saved state.
