@@ -191,7 +191,11 @@ class Engine:
             raise ModelLoadError(f"{path}: model directory does not exist (a broken link)")
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a directory; pass a Hugging Face model directory")
-        if not any(path.iterdir()):
+        try:
+            empty = not any(path.iterdir())
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: model directory cannot be read ({exc.strerror or exc})") from None
+        if empty:
             raise ModelLoadError(f"{path}: directory is empty; it needs config.json, *.safetensors, tokenizer.json")
         if dtype not in DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")

@@ -383,3 +383,32 @@ def test_a_real_style_template_renders_as_the_plain_sandbox_does(model):
     env.filters["tojson"] = lambda v: json.dumps(v, ensure_ascii=False)
     expected = env.from_string(template).render(messages=messages, add_generation_prompt=True)
     assert render_chat(template, messages) == expected
+
+
+def test_an_unreadable_model_folder_is_one_line(model):
+    if os.geteuid() == 0:
+        pytest.skip("root reads everything")
+    model.chmod(0)
+    try:
+        assert "cannot be read" in load_error(model)
+    finally:
+        model.chmod(0o755)
+
+
+@pytest.mark.gpu
+def test_on_cuda_bad_weights_are_refused_and_a_dropped_stream_releases_its_session(model):
+    """GPU check of the load-time finiteness test (the sum runs on the device) and of the session lock."""
+    import gc
+
+    from safetensors.torch import load_file, save_file
+
+    eng = Engine.load(model, device="cuda", dtype="bfloat16")
+    sess = eng.new_session()
+    eng.stream("def", 4, session=sess)
+    gc.collect()
+    assert len(eng.generate("def", 4, session=sess).tokens) == 4
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.3.mlp.down_proj.weight"][1, 1] = math.nan
+    save_file(tensors, str(model / "model.safetensors"))
+    msg = load_error(model, device="cuda", dtype="bfloat16")
+    assert "layers.3.mlp.down_proj.weight has 1 NaN" in msg
