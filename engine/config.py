@@ -118,7 +118,7 @@ class ModelConfig:
         if rope is None:
             rope = {}
         if not isinstance(rope, dict):
-            raise bad("rope_parameters", "a JSON object", _type_of(rope))
+            raise ModelLoadError(f"{source}: rope_parameters must be a JSON object, got {_type_of(rope)}")
 
         def rope_num(key: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
             value = rope.get(key, text.get(key, default))
