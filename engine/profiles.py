@@ -176,6 +176,8 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     for table in ("hardware", "bench"):
         if table in data and not isinstance(data[table], dict):
             raise fail(f"field '{table}' must be a table")
+        if table in data and _too_deep(data[table]):
+            raise fail(f"table [{table}] is nested more than {MAX_TABLE_DEPTH} levels deep or holds too many values")
 
     raw_settings = data.get("settings")
     if raw_settings is None:
@@ -670,6 +672,26 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_drop_none(v) for v in value if v is not None]
     return value
+
+
+MAX_TABLE_DEPTH = 8  # [hardware] / [bench] hold a few readings; shown and re-saved by recursive code
+MAX_TABLE_VALUES = 10_000
+
+
+def _too_deep(value: Any) -> bool:
+    """True when `value` nests tables/arrays more than MAX_TABLE_DEPTH deep or holds more than
+    MAX_TABLE_VALUES values (checked without recursion: a long dotted key builds a deep table cheaply)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if depth > MAX_TABLE_DEPTH or seen > MAX_TABLE_VALUES:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 def _check_name(name: object) -> str:

@@ -638,6 +638,8 @@ PROFILE_BYTES = [
     ("deep-arrays", (GOOD + "[bench]\nx = " + "[" * 200_000 + "]" * 200_000).encode(), "nested too deeply"),
     ("deep-tables", (GOOD + "[bench]\nx = " + "{a = " * 5000 + "1" + "}" * 5000).encode(), "nested too deeply"),
     ("deep-dotted", (GOOD + "[bench]\n" + ".".join(["a"] * 300_000) + " = 1").encode(), "took more than"),
+    ("deep-dotted-bench", (GOOD + "[bench]\n" + ".".join(["a"] * 3000) + " = 1").encode(), "nested more than 8"),
+    ("wide-bench", (GOOD + "[bench]\nx = [" + "1," * 20_000 + "]").encode(), "too many values"),
     ("not-utf8", b'version = 1\nname = "\xff\xfe"\n', "not UTF-8"),
     ("nul-bytes", b"\0" * 100, "not valid TOML"),
     ("random-bytes", bytes(range(256)) * 8, "not UTF-8|not valid TOML"),

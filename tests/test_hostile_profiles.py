@@ -76,6 +76,7 @@ BAD_CONTENTS = {
     "fraction-nan": (GOOD.replace("[settings]", "[settings]\nsub_vocab_fraction = nan").encode(), "(0, 1]"),
     "long-name": (GOOD.replace('"good"', '"' + "n" * 5000 + '"').encode(), "at most 1000"),
     "dotted-keys": ((GOOD + "[bench]\n" + ".".join(["a"] * 300_000) + " = 1").encode(), "took more than 2 s"),
+    "deep-dotted-bench": ((GOOD + "[bench]\n" + ".".join(["a"] * 3000) + " = 1").encode(), "nested more than 8"),
     "control-key": (GOOD.replace("plan_pool = 8", 'plan_pool = 8\n"\\u0007\\n" = 1').encode(), "unknown setting"),
 }
 
