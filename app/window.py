@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QComboBox,
@@ -53,8 +55,25 @@ from engine.profiles import (
     save_last_used,
 )
 from engine.settings import EngineSettings
+from engine.untrusted import exists, is_regular_file
 
 ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
+
+
+def _window_state_settings() -> tuple[QSettings, str | None]:
+    """The window's saved state (window.ini), and a notice when the file was not usable: a FIFO, a device
+    or an oversized file is moved aside (QSettings would block on it or read it all) and a fresh one used."""
+    path = config_dir() / "window.ini"
+    notice = None
+    if exists(path) and (not is_regular_file(path) or path.stat().st_size > 1 << 20):
+        aside = path.with_name("window.ini.bad")
+        try:
+            os.replace(path, aside)
+            notice = f"window state not restored: {path} was not a small regular file; moved to {aside.name}"
+        except OSError as exc:
+            notice = f"window state not restored: {path} is not a small regular file ({exc.strerror}); not saved"
+            path = Path(tempfile.mkdtemp(prefix="specdeck-")) / "window.ini"
+    return QSettings(str(path), QSettings.Format.IniFormat), notice
 
 
 class MainWindow(QMainWindow):
@@ -84,7 +103,7 @@ class MainWindow(QMainWindow):
         self._stopping = False
         self._last_request: RunRequest | None = None
         self._gpu_names: list[str] = []
-        self.qsettings = QSettings(str(config_dir() / "window.ini"), QSettings.Format.IniFormat)
+        self.qsettings, self._state_notice = _window_state_settings()
 
         from engine import EngineError, bundled_model_dir
         from engine.workloads import load_workloads
@@ -537,27 +556,57 @@ class MainWindow(QMainWindow):
             self.worker.set_settings(settings)
         if problem:
             self.show_message(problem)
+        if self._state_notice:
+            self.show_message(self._state_notice)
+        try:
+            self._restore_window_state()
+        except Exception as exc:  # a hand-edited or damaged window.ini: ignored, the window opens anyway
+            self.show_message(f"window state not restored (window.ini: {type(exc).__name__}: {exc}); using defaults")
+
+    def _restore_window_state(self) -> None:
         q = self.qsettings
+        bad: list[str] = []
+
+        def text(key: str, default: str) -> str:
+            value = q.value(key, default)
+            if isinstance(value, str) and len(value) <= 1_000_000:
+                return value
+            bad.append(key)
+            return default
+
         geometry = q.value("window/geometry")
-        if geometry is not None:
+        if isinstance(geometry, (QByteArray, bytes)):
             self.restoreGeometry(geometry)
-        for directory in q.value("run/model_dirs", [], type=list) or []:
-            if Path(directory).is_dir():
+        elif geometry is not None:
+            bad.append("window/geometry")
+        dirs = q.value("run/model_dirs", [])
+        dirs = [dirs] if isinstance(dirs, str) else dirs
+        for directory in dirs if isinstance(dirs, list) else []:
+            if isinstance(directory, str) and "\0" not in directory and Path(directory).is_dir():
                 self.run_panel.add_model_dir(directory)
-        chosen = q.value("run/model_dir", "")
+        chosen = text("run/model_dir", "")
         if chosen:
             index = self.run_panel.model_combo.findData(chosen)
             if index >= 0:
                 self.run_panel.model_combo.setCurrentIndex(index)
         else:
             self.run_panel.model_combo.setCurrentIndex(0)
-        self.run_panel.dtype_combo.setCurrentText(q.value("run/dtype", "float32"))
-        workload = q.value("run/workload", "")
+        dtype = text("run/dtype", "float32")
+        if self.run_panel.dtype_combo.findText(dtype) >= 0:
+            self.run_panel.dtype_combo.setCurrentText(dtype)
+        workload = text("run/workload", "")
         self.run_panel.select_workload(workload or None)
         if not workload:
-            self.run_panel.prompt_edit.setPlainText(q.value("run/custom_prompt", ""))
-        self.run_panel.max_new_tokens.setValue(int(q.value("run/max_new_tokens", 256)))
+            self.run_panel.prompt_edit.setPlainText(text("run/custom_prompt", ""))
+        try:
+            max_new = int(q.value("run/max_new_tokens", 256))
+        except (TypeError, ValueError, OverflowError):
+            max_new = 256
+            bad.append("run/max_new_tokens")
+        self.run_panel.max_new_tokens.setValue(max(1, min(max_new, 1 << 30)))
         self.run_panel.repeat.setChecked(q.value("run/repeat", "true") in (True, "true"))
+        if bad:
+            self.show_message(f"window state: ignored bad value(s) for {', '.join(bad)} in window.ini")
 
     def _save_last_used(self) -> None:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import sys
 import time
 import weakref
@@ -29,6 +30,7 @@ from .spec import check_fits, prefill, run_round
 from .state import Session
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
+from .untrusted import one_line
 from .workers import (
     Cluster,
     LeaderRounds,
@@ -73,6 +75,46 @@ def _parse_device(device: str) -> torch.device:
     elif dev.type != "cpu":
         raise EngineError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
     return dev
+
+
+class ArgumentTypeError(EngineError, TypeError):
+    """An argument of the wrong type (a TypeError that is also an EngineError, so callers that catch either
+    see it). The message names the parameter."""
+
+
+MAX_CHARS_PER_TOKEN = 1024  # a prompt longer than this many characters per context token cannot fit
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__ if not isinstance(value, bool) else f"a bool ({value})"
+
+
+class _Stream:
+    """The iterator `stream()` returns. The session is locked when stream() returns and unlocked when the run
+    ends; a stream dropped (or closed) before its first round never ran the generator, whose `finally` would
+    unlock it, so this object unlocks it instead."""
+
+    def __init__(self, gen: Iterator[RoundEvent], lock) -> None:
+        self._gen = gen
+        self._lock = lock
+        self._pending = True  # the lock is ours to release until the generator starts
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> RoundEvent:
+        self._pending = False  # the generator's try/finally owns the lock from its first step
+        return next(self._gen)
+
+    def close(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._lock.release()
+        self._gen.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class _StreamText:
@@ -162,12 +204,33 @@ class Engine:
         on one machine) splits the model tensor-parallel across them; otherwise it runs on `device`.
         `gemm`: "cublas", or "autotune" (one-token products through torch.compile's max-autotune, for large
         models on CUDA; see engine/gemm.py)."""
+        if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
+            raise ArgumentTypeError(f"model_dir must be a path (str or Path), got {_type_name(model_dir)}")
+        for name, value in (("device", device), ("dtype", dtype), ("gemm", gemm)):
+            if not isinstance(value, str):
+                raise ArgumentTypeError(f"{name} must be a string, got {_type_name(value)}")
+        if devices is not None and (
+            not isinstance(devices, (list, tuple)) or not all(isinstance(d, str) for d in devices)
+        ):
+            raise ArgumentTypeError(f"devices must be a list of device names (str), got {_type_name(devices)}")
+        if isinstance(max_context, bool):
+            raise ArgumentTypeError("max_context must be an integer, got a bool")
         path = bundled_model_dir() if model_dir is None else Path(model_dir).expanduser()
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: model directory does not exist") from None
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{ascii(str(path))[1:-1]}: not a usable path ({one_line(exc)})") from None
         if not path.exists():
-            raise ModelLoadError(f"{path}: model directory does not exist")
+            raise ModelLoadError(f"{path}: model directory does not exist (a broken link)")
         if not path.is_dir():
             raise ModelLoadError(f"{path}: not a directory; pass a Hugging Face model directory")
-        if not any(path.iterdir()):
+        try:
+            empty = not any(path.iterdir())
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: model directory cannot be read ({exc.strerror or exc})") from None
+        if empty:
             raise ModelLoadError(f"{path}: directory is empty; it needs config.json, *.safetensors, tokenizer.json")
         if dtype not in DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -436,14 +499,18 @@ class Engine:
     def _check_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
         if not ids:
             raise EngineError("the prompt is empty; give at least one token of text")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size), None)
-        if bad is not None:
-            raise EngineError(f"token id {bad!r} is out of range 0..{self.cfg.vocab_size - 1}")
         if len(ids) + max_new_tokens > self.max_context:
             raise EngineError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"{self.max_context} tokens; shorten the prompt or load with a larger max_context"
             )
+        vocab = self.cfg.vocab_size
+        at = next((i for i, t in enumerate(ids) if type(t) is not int or not 0 <= t < vocab), None)
+        if at is not None:
+            bad = ids[at]
+            if isinstance(bad, int) and not isinstance(bad, bool):
+                raise EngineError(f"token id {bad!r} (prompt position {at}) is out of range 0..{vocab - 1}")
+            raise ArgumentTypeError(f"prompt token ids must be integers, got {_type_name(bad)} at position {at}")
         return ids
 
     def generate(
@@ -471,23 +538,54 @@ class Engine:
     ) -> Iterator[RoundEvent]:
         """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary.
         `sampling`: None or temperature 0 = greedy; else tokens are drawn (speculative sampling keeps the
-        target's distribution; see engine/sampling.py)."""
+        target's distribution; see engine/sampling.py).
+
+        A stream that is dropped, or closed, before its first round releases the session."""
         try:
             sampling = active(sampling)
         except TypeError as exc:
-            raise EngineError(str(exc)) from None
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ArgumentTypeError(str(exc)) from None
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ArgumentTypeError(f"max_new_tokens must be an integer, got {_type_name(max_new_tokens)}")
+        if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if settings is not None and not isinstance(settings, EngineSettings):
+            raise ArgumentTypeError(
+                f"settings must be an EngineSettings, got {_type_name(settings)}"
+                + (" (use EngineSettings.from_dict(...) for a dict)" if isinstance(settings, dict) else "")
+            )
+        if session is not None and not isinstance(session, Session):
+            raise ArgumentTypeError(f"session must be a Session from new_session(), got {_type_name(session)}")
         sess = session or self.default_session
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        ids = self._check_ids(ids, max_new_tokens)
+        ids = self._check_ids(self._prompt_ids(prompt, max_new_tokens), max_new_tokens)
         if settings is not None:
             self.check_settings(settings)
             sess.settings = settings
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
         sess._clear_cancel()  # here, not in the generator: a cancel right after stream() returns counts
-        return self._run(sess, ids, max_new_tokens, sampling=sampling)
+        return _Stream(self._run(sess, ids, max_new_tokens, sampling=sampling), sess.busy)
+
+    def _prompt_ids(self, prompt: Any, max_new_tokens: int) -> list[int]:
+        """Token ids of a prompt (text or ids); a wrong type is a TypeError naming `prompt`, text that is not
+        valid Unicode an EngineError naming the character's position."""
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_CHARS_PER_TOKEN * self.max_context:
+                raise EngineError(
+                    f"the prompt is {len(prompt)} characters, far more than the context of {self.max_context} "
+                    "tokens holds; shorten it"
+                )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise EngineError(
+                    f"the prompt is not valid Unicode at character {exc.start} (U+{ord(prompt[exc.start]):04X}, "
+                    "a lone surrogate: text decoded from bytes that were not UTF-8?); fix or remove that character"
+                ) from None
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise ArgumentTypeError(f"prompt must be text (str) or a list of token ids, got {_type_name(prompt)}")
 
     def _run(
         self,

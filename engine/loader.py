@@ -9,7 +9,6 @@ Tensors are renamed to one canonical scheme: `embed_tokens.weight`, `layers.N.*`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .untrusted import MiB, check_regular, exists, load_json, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Small tensors that stay fp32 whatever the model dtype (they feed fp32 math).
@@ -93,23 +93,45 @@ def canonical_name(name: str) -> str | None:
     return None
 
 
+MAX_INDEX_BYTES = 64 * MiB  # a 1000-shard index of a huge model is a few MiB
+MAX_HEADER_BYTES = 100 * MiB  # safetensors' own limit on the JSON header
+
+
+def shard_path(model_dir: Path, index: Path, entry: object) -> Path:
+    """The shard an index entry names, confined to the model folder. The entry's text is checked, not the
+    resolved path: the Hugging Face cache links each file to a blob elsewhere, which is fine."""
+    if not isinstance(entry, str):
+        raise ModelLoadError(f"{index}: weight_map values must be file names, got {type(entry).__name__}")
+    shown = ascii(entry)[:80]
+    if not entry or "\\" in entry or "\0" in entry or entry.startswith("/") or (len(entry) > 1 and entry[1] == ":"):
+        raise ModelLoadError(f"{index}: shard {shown} is not a file name inside the model folder; refusing it")
+    parts = entry.split("/")
+    if any(part in ("", ".", "..") for part in parts) or not entry.endswith(".safetensors"):
+        raise ModelLoadError(f"{index}: shard {shown} is not a .safetensors file inside the model folder; refusing it")
+    return model_dir.joinpath(*parts)
+
+
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """Canonical-able checkpoint name -> the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc!r})") from None
+    if exists(index):
+        data = load_json(index, MAX_INDEX_BYTES, "safetensors index", ModelLoadError)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: not a valid safetensors index (no 'weight_map' object)")
         files = {}
+        checked: set[Path] = set()
         for name, fname in weight_map.items():
-            path = model_dir / fname
-            if not path.is_file():
-                raise ModelLoadError(f"{path}: shard listed in {index.name} is missing")
+            path = shard_path(model_dir, index, fname)
+            if path not in checked:
+                if not exists(path):
+                    raise ModelLoadError(f"{path}: shard listed in {index.name} is missing")
+                check_regular(path, "shard", ModelLoadError)
+                checked.add(path)
             files[name] = path
         return files
-    if single.is_file():
+    if exists(single):
         return {name: single for name in _keys(single)}
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
@@ -122,11 +144,31 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _keys(path: Path) -> list[str]:
+    check_header(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys())
     except Exception as exc:  # safetensors raises its own error types for a damaged header
-        raise ModelLoadError(f"{path}: cannot read safetensors header ({exc}); the file may be truncated") from None
+        raise ModelLoadError(
+            f"{path}: cannot read safetensors header ({one_line(exc)}); the file may be truncated"
+        ) from None
+
+
+def check_header(path: Path) -> None:
+    """A regular file whose header length (the first 8 bytes) fits the file and the cap: checked before
+    the safetensors library maps it (a FIFO would block, a huge length would allocate)."""
+    st = check_regular(path, "safetensors file", ModelLoadError)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or n > MAX_HEADER_BYTES or n + 8 > st.st_size:
+        raise ModelLoadError(
+            f"{path}: cannot read safetensors header (header length {n} does not fit a file of {st.st_size} "
+            "bytes); the file may be truncated"
+        )
 
 
 def load_weights(
@@ -146,6 +188,7 @@ def load_weights(
         by_file.setdefault(path, []).append((name, canon))
     weights: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
+        check_header(path)
         try:
             # Straight to the requested device: safetensors copies each tensor there as it reads it.
             with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -193,4 +236,11 @@ def _place(tensor: torch.Tensor, canon: str, path: Path, device: torch.device, d
     if not tensor.is_floating_point():
         raise ModelLoadError(f"{path}: tensor {canon} has dtype {tensor.dtype}; expected a floating-point tensor")
     target = torch.float32 if canon.endswith(FP32_SUFFIXES) else dtype
-    return tensor.to(device=device, dtype=target).contiguous()
+    placed = tensor.to(device=device, dtype=target).contiguous()
+    # NaN and Inf survive a sum (with no full-size temporary); count them only when there are some.
+    if placed.numel() and not bool(torch.isfinite(placed.sum(dtype=torch.float32))):
+        bad = sum(int((~torch.isfinite(part)).sum()) for part in placed.reshape(-1).split(1 << 24))
+        after = "" if target == tensor.dtype else f" (in {str(target).replace('torch.', '')})"
+        what = f"{bad} NaN or infinite value(s){after}" if bad else "values so large that they overflow"
+        raise ModelLoadError(f"{path}: tensor {canon} has {what}; the checkpoint is damaged")
+    return placed

@@ -37,10 +37,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import errno
+import hashlib
 import os
 import platform
 import re
 import tempfile
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,12 +53,17 @@ import tomli_w
 
 from engine.sampling import SamplingParams
 from engine.settings import EngineSettings
+from engine.untrusted import MiB, OutOfTime, exists, one_line, read_capped, time_limit
 
 # Bump when the file layout changes in a way older readers would misread. Readers accept
 # every version up to this one and refuse newer files with a message saying so.
 PROFILE_FORMAT_VERSION = 1
 
 CONFIG_DIR_ENV = "SPECDECK_CONFIG_DIR"
+MAX_PROFILE_BYTES = 4 * MiB  # a profile is a few hundred bytes; notes may be long, not this long
+PARSE_SECONDS = 2.0  # tomllib is pure Python, and slow on some shapes (long dotted keys)
+MAX_NAME_CHARS = 1000  # a profile's name; its file name is shortened further (file_name_for)
+MAX_SLUG_CHARS = 80  # file names stay far below the 255-byte limit, with room for "-NN.toml" and temp names
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent.parent / "assets" / "profiles"
 LAST_USED_NAME = "last used"
 
@@ -69,6 +77,11 @@ SUB_VOCAB_FRACTION = "sub_vocab_fraction"
 
 class ProfileError(ValueError):
     """A profile that cannot be read, written or found. The message names the file and field."""
+
+
+class ProfileWriteError(ProfileError, OSError):
+    """A profile that could not be written (a full disk, a read-only folder): a ProfileError, and an OSError
+    for callers that catch those. The old file, if any, is unchanged."""
 
 
 @dataclass
@@ -142,11 +155,13 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     def fail(message: str) -> ProfileError:
         return ProfileError(f"{source}: {message}")
 
-    version = data.get("version")
+    version = data.get("version") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise fail("not a TOML table")
     if version is None:
         raise fail("missing field 'version' (a profile starts with `version = 1`)")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise fail(f"field 'version' must be a positive integer, got {version!r}")
+        raise fail(f"field 'version' must be a positive integer, got {_short(version)}")
     if version > PROFILE_FORMAT_VERSION:
         raise fail(
             f"written by a newer SpecDeck (format version {version}; this one reads up to "
@@ -155,20 +170,24 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     unknown = sorted(set(data) - _TOP_LEVEL_KEYS)
     if unknown:
         raise fail(
-            f"unknown field(s) {', '.join(repr(k) for k in unknown)}; known: {', '.join(sorted(_TOP_LEVEL_KEYS))}"
+            f"unknown field(s) {', '.join(_short(k) for k in unknown[:5])}; known: {', '.join(sorted(_TOP_LEVEL_KEYS))}"
         )
 
     name = data.get("name")
     if name is None:
         raise fail("missing field 'name'")
     if not isinstance(name, str) or not name.strip():
-        raise fail(f"field 'name' must be a non-empty string, got {name!r}")
+        raise fail(f"field 'name' must be a non-empty string, got {_short(name)}")
+    if len(name) > MAX_NAME_CHARS:
+        raise fail(f"field 'name' is {len(name)} characters long; at most {MAX_NAME_CHARS}")
     notes = data.get("notes", "")
     if not isinstance(notes, str):
-        raise fail(f"field 'notes' must be a string, got {notes!r}")
+        raise fail(f"field 'notes' must be a string, got {_short(notes)}")
     for table in ("hardware", "bench"):
         if table in data and not isinstance(data[table], dict):
             raise fail(f"field '{table}' must be a table")
+        if table in data and _too_deep(data[table]):
+            raise fail(f"table [{table}] is nested more than {MAX_TABLE_DEPTH} levels deep or holds too many values")
 
     raw_settings = data.get("settings")
     if raw_settings is None:
@@ -179,8 +198,8 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     fraction = raw_settings.pop(SUB_VOCAB_FRACTION, None)
     if fraction is not None:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise fail(f"field 'settings.{SUB_VOCAB_FRACTION}' must be a number, got {fraction!r}")
-        if not 0.0 < float(fraction) <= 1.0:
+            raise fail(f"field 'settings.{SUB_VOCAB_FRACTION}' must be a number, got {_short(fraction)}")
+        if not 0.0 < float(fraction) <= 1.0:  # NaN fails this too
             raise fail(f"field 'settings.{SUB_VOCAB_FRACTION}' must be in (0, 1], got {fraction}")
         fraction = float(fraction)
         # The fraction decides sub_vocab; a count beside it would be ambiguous, so it may be absent.
@@ -188,7 +207,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     unknown = sorted(set(raw_settings) - _SETTING_KEYS)
     if unknown:
         raise fail(
-            f"unknown setting(s) {', '.join('settings.' + k for k in unknown)}; known: "
+            f"unknown setting(s) {', '.join('settings.' + _short(k)[1:-1] for k in unknown[:5])}; known: "
             f"{', '.join(sorted(_SETTING_KEYS | {SUB_VOCAB_FRACTION}))}"
         )
     # Every setting must be listed: a profile filled in from today's defaults would silently
@@ -200,9 +219,9 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         settings = EngineSettings.from_dict(raw_settings)
     except ValueError as exc:
         # EngineSettings names the field ("draft_depth must be in 1..16, got 40").
-        raise fail(f"settings.{exc}") from None
+        raise fail(f"settings.{one_line(exc)}") from None
     except TypeError as exc:
-        raise fail(f"[settings]: {exc}") from None
+        raise fail(f"[settings]: {one_line(exc)}") from None
 
     sampling = None
     raw_sampling = data.get("sampling")
@@ -236,28 +255,42 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
 
 
 def read_profile_file(path: str | os.PathLike[str], shipped: bool = False) -> Profile:
-    """Read and validate one profile file. Raises ProfileError naming the file."""
+    """Read and validate one profile file. Raises ProfileError naming the file.
+
+    The file is untrusted (hand-edited, copied from elsewhere): it must be a regular file (a FIFO or a
+    link to a device is refused from os.stat, never opened), of at most MAX_PROFILE_BYTES, UTF-8 TOML."""
     path = Path(path)
+    if not exists(path):
+        raise ProfileError(f"{path}: no such file")
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ProfileError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ProfileError(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+        raw = read_capped(path, MAX_PROFILE_BYTES, "the file", _Unreadable)
+    except _Unreadable as exc:
+        raise ProfileError(f"{path.name}: {_without_prefix(str(exc), str(path))}") from None
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProfileError(f"{path.name}: not a text file (not UTF-8)") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path.name}: not a text file (not UTF-8 at byte {exc.start})") from None
     if not text.strip():
         raise ProfileError(f"{path.name}: empty file (perhaps cut short by a crash)")
     try:
-        data = tomllib.loads(text)
+        with time_limit(PARSE_SECONDS):
+            data = tomllib.loads(text)
+    except OutOfTime:
+        raise ProfileError(f"{path.name}: not read: parsing it took more than {PARSE_SECONDS:g} s") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{path.name}: corrupt, not valid TOML ({exc})") from None
+        raise ProfileError(f"{path.name}: corrupt, not valid TOML ({one_line(exc)})") from None
+    except RecursionError:
+        raise ProfileError(f"{path.name}: corrupt, not valid TOML (nested too deeply)") from None
+    except (ValueError, MemoryError) as exc:
+        raise ProfileError(f"{path.name}: corrupt, not valid TOML ({type(exc).__name__}: {one_line(exc)})") from None
     profile = parse_profile(data, source=path.name)
     profile.path = path
     profile.shipped = shipped
     return profile
+
+
+class _Unreadable(Exception):
+    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,39 +307,63 @@ def config_dir() -> Path:
     return Path(platformdirs.user_config_dir("specdeck"))
 
 
+_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
+
+
 def file_name_for(name: str) -> str:
-    """A safe file name for a profile name: 'My chain, 5 deep' -> 'my-chain-5-deep.toml'."""
-    slug = re.sub(r"[^a-z0-9_]+", "-", name.lower()).strip("-")
-    return (slug or "profile") + ".toml"
+    """A safe file name for a profile name: 'My chain, 5 deep' -> 'my-chain-5-deep.toml'. A long name is
+    cut to MAX_SLUG_CHARS and told apart by a short hash of the whole name."""
+    slug = re.sub(r"[^a-z0-9_]+", "-", name.lower()).strip("-") or "profile"
+    if len(slug) > MAX_SLUG_CHARS:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        slug = f"{slug[: MAX_SLUG_CHARS - 9].rstrip('-')}-{digest}"
+    if slug in _RESERVED:  # names Windows keeps for devices
+        slug = f"profile-{slug}"
+    return slug + ".toml"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees the old file or the new one, never half.
+def _write_error(path: Path, exc: OSError) -> ProfileWriteError:
+    """One line for a failed write: which file, why, and what to do."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        todo = "free some space on that disk; the old file, if any, is unchanged"
+    else:
+        todo = f"make that folder writable or point {CONFIG_DIR_ENV} at one that is"
+    return ProfileWriteError(f"cannot write {path.name} in {path.parent} ({reason}); {todo}")
 
-    The temp file is in the same directory (os.replace is atomic only within one file system),
-    is fsynced before the rename, and the directory is fsynced after it so the rename survives
-    a power cut.
-    """
+
+def _write_temp(path: Path, text: str) -> str:
+    """Write `text` to a new temp file beside `path` and fsync it; returns its name."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:  # a read-only folder, a full disk: say where and what to do
+        data = text.encode("utf-8")  # before any file exists
+    except UnicodeEncodeError as exc:
         raise ProfileError(
-            f"cannot write {path.name} in {path.parent} ({exc.strerror or exc}); make that folder writable "
-            f"or point {CONFIG_DIR_ENV} at one that is"
+            f"cannot write {path.name}: the profile holds text that is not valid Unicode (character {exc.start} "
+            "of the file); fix the name or notes"
         ) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as tmp:
-            tmp.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A short prefix: `path.name` may already be near the file-name limit.
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:24]}.", suffix=".tmp")
+    except OSError as exc:  # a read-only folder, a full disk: say where and what to do
+        raise _write_error(path, exc) from None
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
             tmp.flush()
             os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from None
         raise
+    return tmp_name
+
+
+def _fsync_dir(directory: Path) -> None:
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return  # some platforms cannot open a directory; the rename is still done
     try:
@@ -315,6 +372,98 @@ def write_atomically(path: Path, text: str) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader sees the old file or the new one, never half.
+
+    The temp file is in the same directory (os.replace is atomic only within one file system),
+    is fsynced before the rename, and the directory is fsynced after it so the rename survives
+    a power cut. Any failure (a full disk, a read-only folder) is one ProfileError naming the file,
+    and the old file is left as it was.
+    """
+    tmp_name = _write_temp(path, text)
+    try:
+        os.replace(tmp_name, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            raise _write_error(path, exc) from None
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_new(directory: Path, file_name: str, text: str) -> Path:
+    """Write `text` under `file_name` in `directory`, or `stem-2.toml`, `stem-3.toml`, ... when taken, never
+    replacing a file: the whole file is written to a temp name first, then hard-linked to the first free
+    name (a link fails if the name exists, so two processes never take the same one). Where hard links
+    are not supported, the name is reserved with an exclusive create and then replaced."""
+    stem = file_name[:-5] if file_name.endswith(".toml") else file_name
+    tmp_name = _write_temp(directory / file_name, text)
+    try:
+        for counter in range(1, 10_000):
+            path = directory / (file_name if counter == 1 else f"{stem}-{counter}.toml")
+            try:
+                os.link(tmp_name, path)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise _write_error(path, exc) from None
+                try:  # no hard links here: reserve the name, then move the whole file onto it
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                except FileExistsError:
+                    continue
+                except OSError as exc2:
+                    raise _write_error(path, exc2) from None
+                try:
+                    os.replace(tmp_name, path)
+                except OSError as exc2:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise _write_error(path, exc2) from None
+            _fsync_dir(directory)
+            return path
+        raise ProfileError(f"cannot find a free file name for {file_name} in {directory}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+
+
+@contextlib.contextmanager
+def _store_lock(directory: Path, seconds: float = 10.0):
+    """Serialise the store's check-then-write steps across processes: an flock on the folder itself (no lock
+    file to leave behind). Where there is no fcntl, or no lock can be had, writes are still atomic and a new
+    file still never replaces another (write_new), just not serialised."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        yield  # the write itself will say what is wrong
+        return
+    try:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ProfileError(
+                        f"{directory}: another SpecDeck is still saving profiles here; try again"
+                    ) from None
+                time.sleep(0.01)
+            except OSError:
+                break  # a file system without locks
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,11 +488,19 @@ class ProfileStore:
         for directory, shipped in sources:
             if directory is None or not directory.is_dir():
                 continue
-            for path in sorted(directory.glob("*.toml")):
+            try:
+                paths = sorted(directory.glob("*.toml"))
+            except OSError as exc:  # an unreadable folder: say so, keep the other source
+                problems.append(ProfileProblem(directory, f"folder cannot be read ({exc.strerror or exc})"))
+                continue
+            for path in paths:
                 try:
                     profile = read_profile_file(path, shipped=shipped)
                 except ProfileError as exc:
                     problems.append(ProfileProblem(path, _without_prefix(str(exc), path.name)))
+                    continue
+                except Exception as exc:  # whatever one file does, the others still load
+                    problems.append(ProfileProblem(path, f"cannot be read ({type(exc).__name__}: {one_line(exc)})"))
                     continue
                 key = profile.name.casefold()
                 if key in by_name and by_name[key].shipped == shipped:
@@ -382,45 +539,38 @@ class ProfileStore:
 
     # -- writing --
 
-    def _path_for_new(self, name: str) -> Path:
-        base = file_name_for(name)
-        path = self.directory / base
-        counter = 2
-        while path.exists():
-            path = self.directory / f"{base[:-5]}-{counter}.toml"
-            counter += 1
-        return path
-
     def save(self, profile: Profile, overwrite: bool = True) -> Profile:
-        """Write a user profile (new, or replacing the user profile of the same name)."""
-        name = profile.name.strip()
-        if not name:
-            raise ProfileError("a profile needs a name")
-        existing = self.find(name)
-        if existing is not None and not existing.shipped:
-            if not overwrite:
-                raise ProfileError(f"a profile named {name!r} already exists")
-            path = existing.path
-        else:
-            path = self._path_for_new(name)
-        saved = dataclasses.replace(profile, name=name, path=path, shipped=False, version=PROFILE_FORMAT_VERSION)
-        write_atomically(path, saved.to_toml())
-        return saved
+        """Write a user profile (new, or replacing the user profile of the same name). Safe against another
+        process saving at the same time: the store is locked, and a new file never replaces another."""
+        name = _check_name(profile.name)
+        with _store_lock(self.directory):
+            existing = self.find(name)
+            if existing is not None and not existing.shipped:
+                if not overwrite:
+                    raise ProfileError(f"a profile named {name!r} already exists")
+                saved = dataclasses.replace(
+                    profile, name=name, path=existing.path, shipped=False, version=PROFILE_FORMAT_VERSION
+                )
+                write_atomically(existing.path, saved.to_toml())
+                return saved
+            saved = dataclasses.replace(profile, name=name, shipped=False, version=PROFILE_FORMAT_VERSION)
+            saved.path = write_new(self.directory, file_name_for(name), saved.to_toml())
+            return saved
 
     def rename(self, old_name: str, new_name: str) -> Profile:
-        profile = self._user_profile(old_name)
-        new_name = new_name.strip()
-        if not new_name:
-            raise ProfileError("a profile needs a name")
-        clash = self.find(new_name)
-        if clash is not None and clash.path != profile.path:
-            raise ProfileError(f"a profile named {new_name!r} already exists")
-        new_path = self._path_for_new(new_name) if file_name_for(new_name) != profile.path.name else profile.path
-        renamed = dataclasses.replace(profile, name=new_name, path=new_path)
-        write_atomically(new_path, renamed.to_toml())
-        if new_path != profile.path:
-            profile.path.unlink(missing_ok=True)
-        return renamed
+        new_name = _check_name(new_name)
+        with _store_lock(self.directory):
+            profile = self._user_profile(old_name)
+            clash = self.find(new_name)
+            if clash is not None and clash.path != profile.path:
+                raise ProfileError(f"a profile named {new_name!r} already exists")
+            renamed = dataclasses.replace(profile, name=new_name)
+            if file_name_for(new_name) == profile.path.name:
+                write_atomically(profile.path, renamed.to_toml())
+            else:
+                renamed.path = write_new(self.directory, file_name_for(new_name), renamed.to_toml())
+                profile.path.unlink(missing_ok=True)
+            return renamed
 
     def duplicate(self, name: str, new_name: str | None = None) -> Profile:
         profile = self.get(name)
@@ -470,12 +620,14 @@ def save_last_used(settings: EngineSettings, notes: str = "") -> None:
 def load_last_used() -> tuple[EngineSettings | None, str | None]:
     """(settings, None), or (None, a message) when the file is missing or bad."""
     path = last_used_path()
-    if not path.exists():
+    if not exists(path):
         return None, None
     try:
         return read_profile_file(path).settings, None
     except ProfileError as exc:
         return None, f"last used settings not restored: {exc}"
+    except Exception as exc:  # whatever is in the file, the window still opens
+        return None, f"last used settings not restored: {path.name}: {type(exc).__name__}: {one_line(exc)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,6 +702,47 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_drop_none(v) for v in value if v is not None]
     return value
+
+
+MAX_TABLE_DEPTH = 8  # [hardware] / [bench] hold a few readings; shown and re-saved by recursive code
+MAX_TABLE_VALUES = 10_000
+
+
+def _too_deep(value: Any) -> bool:
+    """True when `value` nests tables/arrays more than MAX_TABLE_DEPTH deep or holds more than
+    MAX_TABLE_VALUES values (checked without recursion: a long dotted key builds a deep table cheaply)."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if depth > MAX_TABLE_DEPTH or seen > MAX_TABLE_VALUES:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise ProfileError(f"a profile name must be text, got {type(name).__name__}")
+    name = name.strip()
+    if not name:
+        raise ProfileError("a profile needs a name")
+    if len(name) > MAX_NAME_CHARS:
+        raise ProfileError(f"a profile name is at most {MAX_NAME_CHARS} characters; this one has {len(name)}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ProfileError(f"the profile name is not valid Unicode at character {exc.start}") from None
+    return name
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """ascii() of a value read from a file, cut short (it may hold anything)."""
+    text = ascii(value) if not isinstance(value, (dict, list)) else type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _without_prefix(message: str, file_name: str) -> str:

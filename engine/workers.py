@@ -196,7 +196,7 @@ class Cluster:
         self.conns = []
         self.procs = []
         self.closed = ""
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # re-entrant: a stream dropped by the GC mid-send sends "end"
         self._dropped: list[int] = []
         self._pickled: dict[tuple, bytes] = {}
         self._reports: dict[int, dict] = {}

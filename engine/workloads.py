@@ -25,13 +25,16 @@ class Workload:
         if not template:
             return self.prompt
         try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            import jinja2  # noqa: F401
         except ImportError:
             return self.prompt
-        # As transformers renders chat templates: sandboxed, trim_blocks and lstrip_blocks on.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         messages = [{"role": "user", "content": self.chat}]
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+        render = getattr(tokenizer, "render_chat", None)
+        if render is not None:  # the engine's tokenizer: sandboxed, with a time and a size limit
+            return render(messages, add_generation_prompt=True)
+        from .tokenizer import render_chat
+
+        return render_chat(template, messages, True)
 
 
 def load_workloads(directory: Path = WORKLOAD_DIR) -> dict[str, Workload]:
