@@ -654,6 +654,8 @@ class Engine:
                     yield self._final_event(index, settings, stats)
                     return
                 t_host = time.perf_counter()
+                if leader:
+                    rounds.observe(settings, out, t_host - t_start)
                 generated.extend(out.tokens)
                 text = stream_text.add(out.tokens)
                 done = out.hit_eos or len(generated) >= max_new_tokens
@@ -665,7 +667,7 @@ class Engine:
                     from_draft=out.from_draft,
                     drafted=out.drafted,
                     accepted=out.accepted,
-                    settings=settings,
+                    settings=rounds.requested if leader else settings,
                     time_draft_s=out.time_draft_s,
                     time_verify_s=out.time_verify_s,
                     time_accept_s=out.time_accept_s,
@@ -675,6 +677,8 @@ class Engine:
                     plan_hits=out.plan_hits,
                     plan_misses=out.plan_misses,
                     plan_capture_s=out.plan_capture_s,
+                    depth=settings.draft_depth if settings.speculative else 0,
+                    adaptive=rounds.controller.snapshot() if leader and rounds.controller else None,
                 )
                 stats.add(ev)
                 if done:

@@ -19,7 +19,9 @@ class EngineSettings:
     """The engine's knobs.
 
     speculative    draft with the MTP head and verify (False: plain greedy decoding of the target)
-    draft_depth    drafted tokens per round, 1..16
+    draft_depth    drafted tokens per round, 1..16, or "auto": chosen every round by the engine from the
+                   measured acceptance and round cost (engine/adaptive.py), at most max_draft_depth
+    max_draft_depth  the deepest "auto" may go, 1..16
     p_min          stop drafting when the draft's probability of its pick is below this, 0..1
     chain          all draft steps in one submission with the pick made on the device, returning only
                    (token, prob); off: one submission per step and the full vocabulary row to the host
@@ -29,24 +31,36 @@ class EngineSettings:
     """
 
     speculative: bool = True
-    draft_depth: int = 3
+    draft_depth: int | str = 3
     p_min: float = 0.0
     chain: bool = True
     sub_vocab: int = 0
     mirror_output: bool = True
     plan_pool: int = 8
+    max_draft_depth: int = 8
 
     def __post_init__(self) -> None:
         for name in ("speculative", "chain", "mirror_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        _check_int("draft_depth", self.draft_depth, 1, MAX_DRAFT_DEPTH)
+        if self.draft_depth != "auto":
+            if isinstance(self.draft_depth, str):
+                raise ValueError(
+                    f"draft_depth must be an integer in 1..{MAX_DRAFT_DEPTH} or 'auto', got {self.draft_depth!r}"
+                )
+            _check_int("draft_depth", self.draft_depth, 1, MAX_DRAFT_DEPTH)
+        _check_int("max_draft_depth", self.max_draft_depth, 1, MAX_DRAFT_DEPTH)
         _check_int("sub_vocab", self.sub_vocab, 0, None)
         _check_int("plan_pool", self.plan_pool, 0, MAX_PLAN_POOL)
         p = self.p_min
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= float(p) <= 1.0):
             raise ValueError(f"p_min must be a number in 0..1, got {p!r}")
         object.__setattr__(self, "p_min", float(p))
+
+    @property
+    def adaptive(self) -> bool:
+        """The depth is chosen by the engine each round (draft_depth="auto")."""
+        return self.draft_depth == "auto"
 
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with some fields changed (validated like any new value)."""

@@ -28,6 +28,10 @@ class RoundEvent:
     run: dict[str, Any] = field(default_factory=dict)
     done: bool = False
     stop_reason: str | None = None
+    # The depth this round drafted at (0 = no drafting); with draft_depth="auto", what the controller
+    # decided from: {"depth", "expected_tokens_per_s" (per depth 1..max), "acceptance", "switches"}.
+    depth: int = 0
+    adaptive: dict[str, Any] | None = None
 
     @property
     def tokens_per_second(self) -> float:

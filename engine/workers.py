@@ -517,19 +517,38 @@ class _WorkerRounds:
 
 
 class LeaderRounds:
-    """Round boundaries on rank 0: read the session's settings and cancel flag, and tell the workers.
+    """Round boundaries on rank 0: read the session's settings and cancel flag, resolve an adaptive depth
+    to this round's depth, and tell the workers (which get concrete settings only).
     (Sending the decision a round ahead would save the workers a pipe wake-up per round, but a consumer
     that stops iterating after round k would leave them running a round k+1 that rank 0 never runs.)"""
 
     def __init__(self, sess, cluster: Cluster | None) -> None:
         self.sess = sess
         self.cluster = cluster
+        self.requested = None  # the session's settings of the current round ("auto" stays "auto")
+        self.controller = None  # the session's DepthController while the depth is "auto"
 
     def next(self) -> tuple[Any, bool]:
         settings, cancelled = self.sess.settings, self.sess.cancelled
+        self.requested = settings
+        self.controller = None
+        if settings.adaptive:
+            from .adaptive import DepthController
+
+            ctrl = getattr(self.sess, "depth_controller", None)
+            if ctrl is None or ctrl.max_depth != settings.max_draft_depth:
+                ctrl = self.sess.depth_controller = DepthController(settings.max_draft_depth)
+            self.controller = ctrl
+            settings = settings.replace(draft_depth=ctrl.choose() if settings.speculative else 1)
         if self.cluster is not None:
             self.cluster.send_round(settings, cancelled)
         return settings, cancelled
+
+    def observe(self, settings, out, round_s: float) -> None:
+        """After a round: what an adaptive depth learns from it (host data only, no extra device read)."""
+        if self.controller is not None and settings.speculative:
+            captured = out.plan_misses > 0
+            self.controller.observe(settings.draft_depth, out.drafted, out.accepted, round_s, captured)
 
     def finish(self) -> None:
         if self.cluster is not None and not self.cluster.closed:

@@ -1,0 +1,139 @@
+"""Adaptive draft depth (`EngineSettings(draft_depth="auto")`): the depth of each round is chosen on the host
+from what the round's one device read already brings back, so it adds no synchronisation.
+
+Model of a round at depth d:
+- acceptance: p_i = P(draft i is accepted | drafts 1..i-1 were), tracked per position as exponentially
+  decayed counts (a position is "tried" in a round when every draft before it was accepted);
+  expected tokens per round E(d) = 1 + sum_{i<=d} prod_{j<=i} p_j;
+- cost: T(d), the wall time of a round at depth d, decayed means of the rounds measured at d (rounds that
+  captured a plan are left out); a depth not measured yet is extrapolated from the measured ones
+  (linear in d through the two nearest, or +12% a step from one).
+The controller picks argmax E(d) / T(d) over 1..max_depth, moving only when the best beats the current
+depth by more than `hysteresis` (so it does not flap), and now and then probes a neighbouring depth so
+that the curve it decides from stays measured on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+
+PRIOR_ACCEPT = 0.7  # p_1 before anything was seen
+PRIOR_STEP_DECAY = 0.9  # an untried position: the previous one's rate times this
+PRIOR_STEP_COST = 0.12  # an unmeasured depth from one measured one: +12% per step
+
+
+class DepthController:
+    def __init__(
+        self,
+        max_depth: int,
+        start_depth: int = 3,
+        decay: float = 0.97,
+        hysteresis: float = 0.03,
+        probe_every: int = 24,
+    ) -> None:
+        self.max_depth = max_depth
+        self.depth = max(1, min(start_depth, max_depth))
+        self.decay = decay
+        self.hysteresis = hysteresis
+        self.probe_every = probe_every
+        self.tried = [0.0] * max_depth  # decayed counts per position
+        self.hits = [0.0] * max_depth
+        self.time_sum = [0.0] * (max_depth + 1)  # per depth (index = depth), decayed
+        self.time_n = [0.0] * (max_depth + 1)
+        self.rounds = 0
+        self.switches = 0
+        self._probe_up = True
+        self.last_choice = self.depth
+
+    # ---- what it learned ----------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """p_1 .. p_max: measured where tried, else the prior continued from the previous position."""
+        out, prev = [], PRIOR_ACCEPT
+        for i in range(self.max_depth):
+            if self.tried[i] >= 1.0:
+                p = (self.hits[i] + 0.5 * prev) / (self.tried[i] + 0.5)  # shrunk towards the previous rate
+            else:
+                p = prev * PRIOR_STEP_DECAY if i else PRIOR_ACCEPT
+            out.append(min(max(p, 0.0), 0.999))
+            prev = out[-1]
+        return out
+
+    def expected_tokens(self) -> list[float]:
+        """E(d) for d = 1..max_depth."""
+        out, run, total = [], 1.0, 1.0
+        for p in self.acceptance():
+            run *= p
+            total += run
+            out.append(total)
+        return out
+
+    def round_time(self) -> list[float | None]:
+        """T(d) for d = 1..max_depth (seconds; None until some depth was measured)."""
+        measured = {d: self.time_sum[d] / self.time_n[d] for d in range(1, self.max_depth + 1) if self.time_n[d] > 0}
+        if not measured:
+            return [None] * self.max_depth
+        out = []
+        for d in range(1, self.max_depth + 1):
+            if d in measured:
+                out.append(measured[d])
+                continue
+            near = sorted(measured, key=lambda m: (abs(m - d), m))[:2]
+            if len(near) == 2 and near[0] != near[1]:
+                (d0, t0), (d1, t1) = ((m, measured[m]) for m in near)
+                slope = max((t1 - t0) / (d1 - d0), 0.02 * min(t0, t1))  # deeper never cheaper
+                out.append(max(t0 + slope * (d - d0), 1e-9))
+            else:
+                d0 = near[0]
+                out.append(measured[d0] * (1 + PRIOR_STEP_COST * (d - d0)))
+        return out
+
+    def curve(self) -> list[float]:
+        """Expected tokens per second for d = 1..max_depth (0 where no time is known yet)."""
+        times = self.round_time()
+        return [e / t if t else 0.0 for e, t in zip(self.expected_tokens(), times)]
+
+    # ---- deciding -----------------------------------------------------------------------------------
+    def choose(self) -> int:
+        """The depth of the next round."""
+        curve = self.curve()
+        if any(curve):
+            best = max(range(self.max_depth), key=lambda i: curve[i]) + 1
+            here = curve[self.depth - 1]
+            if best != self.depth and (here <= 0 or curve[best - 1] > here * (1 + self.hysteresis)):
+                self.depth = best
+                self.switches += 1
+        choice = self.depth
+        if self.rounds and self.rounds % self.probe_every == 0:  # keep both neighbours measured
+            step = 1 if self._probe_up else -1
+            self._probe_up = not self._probe_up
+            if 1 <= choice + step <= self.max_depth:
+                choice += step
+        self.last_choice = choice
+        return choice
+
+    def observe(self, depth: int, drafted: int, accepted: int, round_s: float, captured: bool) -> None:
+        """What the round at `depth` did: `drafted` drafts were valid (p_min may cut some), `accepted` of them
+        matched; `captured` rounds (a plan was recorded) are not timed."""
+        self.rounds += 1
+        for i in range(self.max_depth):
+            self.tried[i] *= self.decay
+            self.hits[i] *= self.decay
+        for i in range(min(drafted, accepted + 1, self.max_depth)):
+            self.tried[i] += 1.0
+            if i < accepted:
+                self.hits[i] += 1.0
+        if not captured and round_s > 0 and math.isfinite(round_s) and 1 <= depth <= self.max_depth:
+            for d in range(1, self.max_depth + 1):
+                self.time_sum[d] *= self.decay
+                self.time_n[d] *= self.decay
+            self.time_sum[depth] += round_s
+            self.time_n[depth] += 1.0
+
+    def snapshot(self) -> dict:
+        """For the app: the depth chosen and the curve it decided from."""
+        return {
+            "depth": self.last_choice,
+            "expected_tokens_per_s": self.curve(),
+            "acceptance": self.acceptance(),
+            "switches": self.switches,
+        }

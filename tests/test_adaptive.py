@@ -1,0 +1,127 @@
+"""Adaptive draft depth: the controller finds the best depth from what rounds bring back (acceptance and
+round time), does not flap, and an engine run with draft_depth="auto" is exactly plain greedy decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import Engine, EngineSettings
+from engine.adaptive import DepthController
+
+PROMPT = "def main():\n    for i in range(10):\n        print(i)\n"
+
+
+def simulate(rates, cost, rounds=900, seed=0, max_depth=8):
+    """Run the controller against a synthetic target: per-position acceptance `rates`, round time
+    cost(d). Returns (controller, tokens per second over the second half, the best static figure)."""
+    rng = random.Random(seed)
+    ctrl = DepthController(max_depth)
+    tokens = time = 0.0
+    for r in range(rounds):
+        d = ctrl.choose()
+        accepted = 0
+        while accepted < d and rng.random() < rates[accepted]:
+            accepted += 1
+        t = cost(d) * (1 + 0.05 * (rng.random() - 0.5))  # a noisy clock
+        ctrl.observe(d, d, accepted, t, captured=r < 3)
+        if r >= rounds // 2:
+            tokens += accepted + 1
+            time += t
+
+    def expected(d):
+        run = total = 1.0
+        for p in rates[:d]:
+            run *= p
+            total += run
+        return total / cost(d)
+
+    best = max(expected(d) for d in range(1, max_depth + 1))
+    return ctrl, tokens / time, best
+
+
+@pytest.mark.parametrize(
+    "rates,cost",
+    [
+        ([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], lambda d: 1.0 + 0.15 * d),  # best in the middle
+        ([0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], lambda d: 1.0 + 0.3 * d),  # drafting barely pays: shallow
+        ([0.97] * 8, lambda d: 1.0 + 0.05 * d),  # cheap and accurate drafts: as deep as allowed
+        ([0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4], lambda d: 1.0 + 0.08 * d),  # Qwen3-Next MTP rates
+    ],
+)
+def test_the_controller_reaches_the_best_static_depth(rates, cost):
+    ctrl, achieved, best = simulate(rates, cost)
+    assert achieved >= 0.95 * best, (achieved, best, ctrl.snapshot())  # within the noise of 450 rounds
+    assert ctrl.switches <= 12  # settles instead of flapping
+
+
+def test_a_change_of_workload_moves_the_depth():
+    """Acceptance drops mid-generation (code -> prose): the chosen depth follows it down."""
+    ctrl = DepthController(8)
+    rng = random.Random(1)
+    for phase, rates in enumerate(([0.95] * 8, [0.5, 0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])):
+        depths = []
+        for _ in range(500):
+            d = ctrl.choose()
+            accepted = 0
+            while accepted < d and rng.random() < rates[accepted]:
+                accepted += 1
+            ctrl.observe(d, d, accepted, 1.0 + 0.1 * d, captured=False)
+            depths.append(d)
+        tail = sorted(depths[-100:])[50]
+        if phase == 0:
+            high = tail
+        else:
+            assert tail < high and tail <= 3, (high, tail)
+
+
+def test_unmeasured_depths_are_extrapolated_and_the_curve_has_every_depth():
+    ctrl = DepthController(6)
+    assert ctrl.curve() == [0.0] * 6  # nothing measured yet: no claim
+    ctrl.observe(3, 3, 2, 0.010, captured=False)
+    times = ctrl.round_time()
+    assert times[2] == pytest.approx(0.010) and times[3] > times[2] > times[1]
+    assert all(v > 0 for v in ctrl.curve())
+    ctrl.observe(4, 4, 4, 0.020, captured=True)  # a capture round is not timed
+    assert ctrl.round_time()[3] == pytest.approx(times[3])
+
+
+def test_auto_settings_are_validated():
+    assert EngineSettings(draft_depth="auto").adaptive
+    assert not EngineSettings(draft_depth=4).adaptive
+    with pytest.raises(ValueError, match="draft_depth must be an integer in 1..16 or 'auto'"):
+        EngineSettings(draft_depth="deep")
+    with pytest.raises(ValueError, match="max_draft_depth"):
+        EngineSettings(draft_depth="auto", max_draft_depth=0)
+    s = EngineSettings.from_dict({"draft_depth": "auto", "max_draft_depth": 5})
+    assert s.max_draft_depth == 5
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_engine):
+    return tiny_engine.generate(PROMPT, 48, EngineSettings(speculative=False), tiny_engine.new_session()).tokens
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [dict(), dict(chain=False), dict(sub_vocab=160), dict(p_min=0.3), dict(max_draft_depth=2)],
+)
+def test_auto_depth_is_lossless_and_reports_what_it_decided(tiny_engine, greedy, knobs):
+    settings = EngineSettings(draft_depth="auto").replace(**knobs)
+    events = list(tiny_engine.stream(PROMPT, 48, settings, tiny_engine.new_session()))
+    assert [t for ev in events for t in ev.tokens] == greedy
+    rounds = [ev for ev in events if ev.tokens]
+    assert all(ev.settings.draft_depth == "auto" for ev in rounds)  # markers see the knob, not each pick
+    assert all(1 <= ev.depth <= settings.max_draft_depth for ev in rounds)
+    snap = rounds[-1].adaptive
+    assert snap["depth"] == rounds[-1].depth and len(snap["expected_tokens_per_s"]) == settings.max_draft_depth
+
+
+def test_auto_depth_on_two_ranks_is_lossless(tiny_model_dir, greedy):
+    tp = Engine.load(tiny_model_dir, devices=["cpu", "cpu"])
+    try:
+        out = tp.generate(PROMPT, 48, EngineSettings(draft_depth="auto"), tp.new_session())
+        assert out.tokens == greedy
+    finally:
+        tp.close()
