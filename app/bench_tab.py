@@ -123,6 +123,9 @@ class BenchTab(QWidget):
         export_row.addWidget(self.export_csv_button)
         export_row.addWidget(self.export_json_button)
 
+        from app.tune_panel import TunePanel
+
+        self.tune_panel = TunePanel(workload_names)
         layout = QVBoxLayout(self)
         layout.addWidget(setup)
         layout.addWidget(self.warning_label)
@@ -130,6 +133,7 @@ class BenchTab(QWidget):
         layout.addWidget(QLabel("Output hash per arm (sha-256 of the generated token ids)"))
         layout.addWidget(self.hash_table)
         layout.addLayout(export_row)
+        layout.addWidget(self.tune_panel, 1)
 
     # ------------------------------------------------------------------ profiles
 

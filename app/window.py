@@ -12,6 +12,7 @@ import dataclasses
 import html
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,16 @@ class MainWindow(QMainWindow):
         self.profiles_tab.message.connect(self.show_message)
         self.profiles_tab.profiles_changed.connect(self._on_profiles_changed)
         self.bench_tab.start_requested.connect(self.start_bench)
+        from app.tune_panel import TuneRunner
+
+        self.tune_runner = TuneRunner(self.worker)
+        self.tune_panel = self.bench_tab.tune_panel
+        self.tune_panel.start_requested.connect(self.start_tune)
+        # Direct: the runner lives on the engine thread, which is busy with the tune it should cancel.
+        self.tune_panel.cancel_requested.connect(self.tune_runner.cancel, Qt.ConnectionType.DirectConnection)
+        self.tune_runner.progress.connect(self.tune_panel.on_progress)
+        self.tune_runner.finished.connect(self._on_tune_finished)
+        self.tune_runner.errored.connect(lambda message: self.show_error("tune", message))
         self.bench_tab.stop_requested.connect(self.stop)
         self.bench_tab.message.connect(self.show_message)
         self.plots.export_csv_button.clicked.connect(self.export_plot_csv)
@@ -327,6 +338,7 @@ class MainWindow(QMainWindow):
             return
         self._stopping = True
         self.state_label.setText("Stopping…")
+        self.tune_runner.cancel()
         self.worker.stop()
 
     def _on_load_started(self, message: str) -> None:
@@ -498,6 +510,44 @@ class MainWindow(QMainWindow):
             {arm.name: self.bench_tab.figures_for(arm.name, self.model_info) for arm in report.arms}
         )
 
+    # ------------------------------------------------------------------ tune
+
+    def start_tune(self, spec: tuple[list[str], float, int]) -> None:
+        from app.tune_panel import TuneRequest
+
+        if self.state != "idle":
+            self.show_message("Stop the run before starting a tune")
+            return
+        workloads, budget_s, max_new_tokens = spec
+        self.clear_error()
+        self.state = "tune"
+        self.run_panel.set_running(True)
+        self.bench_tab.run_button.setEnabled(False)
+        self.tune_panel.set_running(True)
+        self.state_label.setText("Tune running…")
+        baseline = self.worker.settings or self.knobs.settings()
+        self.tune_runner.start(TuneRequest(self.model_key(), baseline, workloads, budget_s, max_new_tokens))
+
+    def _on_tune_finished(self, report: Any) -> None:
+        """Save the winner as a profile (figures + hardware), keep the cells on screen, back to idle."""
+        from engine.tune import winner_profile
+
+        self.state = "idle"
+        self.run_panel.set_running(False)
+        self.bench_tab.run_button.setEnabled(True)
+        saved = None
+        if report is not None and any(c.runs for c in report.cells):
+            model = (self.model_info or {}).get("name", "model")
+            name = self.store.unique_name(f"tuned {model} {time.strftime('%Y-%m-%d %H:%M')}")
+            try:
+                saved = self.store.save(winner_profile(report, name, model, list(self._gpu_names)))
+            except Exception as exc:  # noqa: BLE001 - a read-only config folder: say so, keep the result
+                self.show_error("tune", str(exc))
+            else:
+                self.profiles_tab.reload(select=saved.name)
+        self.tune_panel.on_finished(report, saved)
+        self.state_label.setText("Tune done" if report is not None and not report.cancelled else "Tune stopped")
+
     # ------------------------------------------------------------------ monitor
 
     def _on_sample(self, sample: MonitorSample) -> None:
@@ -635,6 +685,7 @@ class MainWindow(QMainWindow):
         self._shut_down = True
         if self.remember:
             self._save_state()
+        self.tune_runner.cancel()
         self.worker.shutdown()
         self.sampler.stop()
 
