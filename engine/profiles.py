@@ -204,6 +204,10 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         fraction = float(fraction)
         # The fraction decides sub_vocab; a count beside it would be ambiguous, so it may be absent.
         raw_settings.setdefault("sub_vocab", 0)
+    if raw_settings.get("draft_depth") != "auto":
+        # The deepest an adaptive depth may go acts only with draft_depth = "auto" (and profiles from
+        # before it existed do not list it).
+        raw_settings.setdefault("max_draft_depth", EngineSettings().max_draft_depth)
     unknown = sorted(set(raw_settings) - _SETTING_KEYS)
     if unknown:
         raise fail(
