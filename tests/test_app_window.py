@@ -53,7 +53,7 @@ def test_every_knob_reaches_the_engine_mid_run_and_marks_every_plot(qtbot, windo
     # Mirror output cannot be clicked on the CPU; a profile still carries it to the engine.
     assert not knobs.mirror_output.isEnabled()
     mirror = not window.applied_settings.mirror_output
-    profile = window.store.get("control" if not mirror else "chain")
+    profile = window.store.get("control" if not mirror else "best known")
     marker = change(lambda: window.apply_profile(profile), mirror_output=mirror)
     assert marker.label == f"▶ {profile.name}"
 
