@@ -379,7 +379,7 @@ class RunPlots(QWidget):
             row=1,
             col=1,
             title=_title(
-                "Accepted length (tokens / round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
+                "Accepted length (tokens/round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
             ),
         )
         self.position_plot = g.addPlot(
@@ -604,17 +604,18 @@ class RunPlots(QWidget):
     # ------------------------------------------------------------------------------ gaps
 
     def mark_stop(self) -> None:
-        """The run stopped (not a repeat): a stop marker at its last round."""
+        """The run stopped (not a repeat). Nothing is drawn until a run starts again: the end of
+        the data already shows where the last run stopped."""
         if not len(self._rounds["time_s"]) or self._stopped_at is not None:
             return
         self._stopped_at = float(self._rounds["time_s"].last())
-        self._add_run_mark(self._stopped_at, "stop")
 
     def mark_start(self, monotonic_s: float | None = None) -> None:
-        """A run starts after a stop: a start marker, and a gap (NaN row) since the stop, so the
-        curves do not join straight across the time nothing ran."""
+        """A run starts after a stop: stop and start markers, and a gap (NaN row) between them,
+        so the curves do not join straight across the time nothing ran."""
         if self._stopped_at is None:
             return
+        self._add_run_mark(self._stopped_at, "stop")
         t = self._clock(time.monotonic() if monotonic_s is None else monotonic_s)
         row = dict.fromkeys(self.ROUND_COLUMNS)
         row["time_s"] = (self._stopped_at + t) / 2

@@ -29,8 +29,8 @@ class PlotColors:
     readonly_background: str  # a read-only text field (the workload's prompt)
 
 
-LIGHT = PlotColors("#ffffff", "#333333", "#a01010", (255, 255, 255, 210), "#666666", "#f4f4f4")
-DARK = PlotColors("#1e1f22", "#d0d0d0", "#ff8a80", (30, 31, 34, 220), "#a0a0a0", "#2b2d30")
+LIGHT = PlotColors("#ffffff", "#333333", "#a01010", (255, 255, 255, 140), "#666666", "#f4f4f4")
+DARK = PlotColors("#1e1f22", "#d0d0d0", "#ff8a80", (30, 31, 34, 150), "#a0a0a0", "#2b2d30")
 
 _system_palette: QPalette | None = None
 _system_style: str | None = None

@@ -138,7 +138,7 @@ class MainWindow(QMainWindow):
         left_scroll.setWidget(left)
         left_scroll.setWidgetResizable(True)
         left_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        left_scroll.setMinimumWidth(330)
+        left_scroll.setMinimumWidth(300)
         left_scroll.setMaximumWidth(420)
 
         self.plots = RunPlots()

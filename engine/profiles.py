@@ -489,9 +489,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
     """A profile by name (user ones, then shipped ones) or by the path of a .toml file."""
     text = os.fspath(name_or_path)
     path = Path(text)
-    if text.endswith(".toml") or os.sep in text or path.is_file():
+    if os.sep in text or path.is_file():
         return read_profile_file(path)
-    return ProfileStore().get(text)
+    return ProfileStore().get(text)  # a display name, or a file name with or without .toml
 
 
 def list_profiles() -> tuple[list[Profile], list[ProfileProblem]]:

@@ -26,7 +26,8 @@ def test_every_knob_reaches_the_engine_mid_run_and_marks_every_plot(qtbot, windo
         knobs.settings().replace(draft_depth=3, chain=True, sub_vocab=0, p_min=0.0, plan_pool=8, speculative=True),
         emit=True,
     )
-    start_run(qtbot, window, repeat=True)
+    # Long runs: Stop then lands inside a run (a 24-token repeat could end with 'length' just before it).
+    start_run(qtbot, window, repeat=True, tokens=400)
     wait_for_settings(qtbot, window, draft_depth=3)
     assert window.run_panel.stop_button.isEnabled() and not window.run_panel.run_button.isEnabled()
 
