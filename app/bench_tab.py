@@ -40,7 +40,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.plots import SERIES_COLORS, _style_plot
+from app import theme
+from app.plots import SERIES_COLORS, _shrinkable, _style_plot
 from engine.profiles import Profile
 
 # Per arm: {workload or "mixed avg": (mean, min, max)} tokens/s.
@@ -89,9 +90,10 @@ class BenchBars(pg.PlotWidget):
         super().__init__(parent)
         item = self.getPlotItem()
         _style_plot(item, "tokens / s", "")
-        item.setTitle("<b>Bench</b>: tokens/s per workload, bars = mean, whiskers = min..max of the rounds")
+        item.setTitle("<b>tokens/s</b> <span style='font-size:8pt'>(whiskers: min..max of the rounds)</span>")
+        _shrinkable(item.titleLabel)
         item.getViewBox().setMouseEnabled(x=False, y=False)
-        self.legend = item.addLegend(offset=(-10, 10))
+        self.legend = item.addLegend(offset=(10, 5), colCount=2)
         self.figures: Figures = {}
         self.compare: Figures = {}
         self.compare_name = ""
@@ -144,13 +146,15 @@ class BenchBars(pg.PlotWidget):
                     top=(hi - mean)[finite],
                     bottom=(mean - lo)[finite],
                     beam=width * 0.4,
-                    pen=pg.mkPen("#444444" if not compared else color, width=1),
+                    pen=pg.mkPen(theme.current.foreground if not compared else color, width=1),
                 )
                 item.addItem(errors)
                 top = max(top, float(np.nanmax(hi[finite])))
         item.getAxis("bottom").setTicks([[(i, g) for i, g in enumerate(groups)]])
         item.setXRange(-0.6, len(groups) - 0.4, padding=0)
-        item.setYRange(0, max(top * 1.25, 1.0), padding=0)
+        self.legend.setColumnCount(min(len(arms), 2))
+        # Room above the tallest whisker for the legend's rows.
+        item.setYRange(0, max(top * (1.25 + 0.12 * ((len(arms) + 1) // 2)), 1.0), padding=0)
 
 
 class BenchTab(QWidget):
@@ -259,6 +263,7 @@ class BenchTab(QWidget):
         results.addWidget(self.bars)
         results.setStretchFactor(0, 3)
         results.setStretchFactor(1, 2)
+        results.setSizes([480, 520])  # the tables scroll sideways; the chart's labels need the room
         layout.addWidget(results, 1)
         layout.addWidget(QLabel("Output hash per arm (sha-256 of the generated token ids)"))
         layout.addWidget(self.hash_table)

@@ -385,6 +385,7 @@ class MainWindow(QMainWindow):
             self.theme_actions[self.theme].setChecked(True)
         self.run_panel.set_colors(colors)
         self.knobs.set_colors(colors)
+        self.bench_tab.bars.show_figures(self.bench_tab.bars.figures)  # whiskers in the new text colour
         if self.remember:
             self.qsettings.setValue("view/theme", self.theme)
 
@@ -464,9 +465,18 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, loaded: LoadedModel) -> None:
         info = loaded.info
         self.model_info = info
+        threads = ""
+        if str(info.get("device", "")).startswith("cpu"):
+            import torch
+
+            count = torch.get_num_threads()  # engine.threads' rule, set by the worker before the load
+            threads = f" · {count} CPU thread{'s' if count != 1 else ''}"
         self.model_label.setText(
             f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
-            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}"
+            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}{threads}"
+        )
+        self.model_label.setToolTip(
+            "CPU threads: the usable cores minus one (SPECDECK_CPU_THREADS or specdeck --threads N overrides)"
         )
         self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
         self.plots.set_engine_memory(loaded.memory)

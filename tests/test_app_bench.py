@@ -1,4 +1,4 @@
-"""The Bench tab: two profiles, the seed's tables, hashes per arm, export; the same code as the CLI."""
+"""The Bench tab: two profiles, the tables (llama.cpp PR #27173 format), hashes per arm, export; the same code as the CLI."""
 # Fixtures are imported from conftest_app and then named as test arguments:
 # ruff: noqa: F811
 

@@ -36,6 +36,11 @@ def test_the_first_launch_selects_a_real_workload_and_run_works_at_once(qtbot, m
     with qtbot.waitSignal(window.run_finished, timeout=RUN_TIMEOUT_MS) as blocker:
         qtbot.mouseClick(window.run_panel.run_button, Qt.MouseButton.LeftButton)
     assert blocker.args[0].stop_reason in ("length", "eos") and window.last_error is None
+    from engine.threads import default_cpu_threads
+
+    assert window.model_label.text().endswith(
+        f"· {default_cpu_threads()} CPU thread" + "s" * (default_cpu_threads() != 1)
+    )
 
 
 def test_an_empty_custom_prompt_is_not_restored(qtbot, make_window):
