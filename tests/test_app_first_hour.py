@@ -278,6 +278,11 @@ def test_shortcuts_pause_switch_tabs_and_export(qtbot, window, monkeypatch, tmp_
     window.plots.pause_button.click()
     assert not window.plots.paused and not window.pause_action.isChecked()
     assert window.pause_action.shortcut().toString() == "Space"
+    # Space in a text field is a space, not a pause.
+    window.run_panel.select_workload(None)
+    window.run_panel.prompt_edit.setFocus()
+    qtbot.keyClicks(window.run_panel.prompt_edit, "a b")
+    assert window.run_panel.prompt() == "a b" and not window.plots.paused
     for index, action in enumerate(window.tab_actions):
         assert action.shortcut().toString() == f"Ctrl+{index + 1}"
         action.trigger()
