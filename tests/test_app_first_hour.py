@@ -367,3 +367,11 @@ def test_the_check_agrees_with_ldd_on_this_machine():
         assert line is not None and all(m in line for m in missing)
     else:
         assert line is None
+
+
+def test_memory_areas_keep_only_the_rounds_where_memory_changes():
+    from app.plots import _change_points
+
+    rows = np.array([[1, 1, 1, 2, 2, 2, 2, 3.0]])
+    assert _change_points(rows).tolist() == [0, 2, 3, 6, 7]  # each step drawn as a step, and the ends
+    assert _change_points(np.zeros((2, 0))).tolist() == []

@@ -68,7 +68,7 @@ def test_every_knob_reaches_the_engine_mid_run_and_marks_every_plot(qtbot, windo
 def test_stop_returns_within_one_round(qtbot, window):
     updates = []
     window.worker.round.connect(updates.extend)
-    start_run(qtbot, window, repeat=True)
+    start_run(qtbot, window, repeat=True, tokens=400)  # Stop lands inside a run, not between two
     qtbot.waitUntil(lambda: len(updates) > 3, timeout=RUN_TIMEOUT_MS)
     clock = time.monotonic()
     finished = stop_run(qtbot, window)
