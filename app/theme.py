@@ -32,7 +32,6 @@ class PlotColors:
 LIGHT = PlotColors("#ffffff", "#333333", "#a01010", (255, 255, 255, 140), "#666666", "#f4f4f4")
 DARK = PlotColors("#1e1f22", "#d0d0d0", "#ff8a80", (30, 31, 34, 150), "#a0a0a0", "#2b2d30")
 
-_system_palette: QPalette | None = None
 _system_style: str | None = None
 current: PlotColors = LIGHT
 current_mode = "system"
@@ -91,24 +90,24 @@ def system_is_dark() -> bool:
             return False
     except AttributeError:  # Qt < 6.5
         pass
-    return palette_is_dark(_system_palette if _system_palette is not None else app.palette())
+    return palette_is_dark(app.palette())
 
 
 def apply_theme(mode: str) -> PlotColors:
     """Set the application's palette for `mode` (system / light / dark); returns the plot colours."""
-    global _system_palette, _system_style, current, current_mode
+    global _system_style, current, current_mode
     if mode not in THEMES:
         mode = "system"
     app = QApplication.instance()
     if app is None:
         return current
-    if _system_palette is None:  # remember the platform's own, to go back to it
-        _system_palette = QPalette(app.palette())
+    if _system_style is None:  # the platform's own style, to go back to it
         _system_style = app.style().name()
     if mode == "system":
-        if _system_style:
+        if _system_style and app.style().name() != _system_style:
             app.setStyle(_system_style)
-        app.setPalette(_system_palette)
+        # An empty palette resolves against the platform's, so it keeps following the desktop.
+        app.setPalette(QPalette())
         dark = system_is_dark()
     else:
         app.setStyle("Fusion")

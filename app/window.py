@@ -248,6 +248,12 @@ class MainWindow(QMainWindow):
             self.show_message(f"{len(self.profiles_tab.problems)} bad profile file(s) skipped: see the Profiles tab")
         self.sampler.start()
         self.tabs.currentChanged.connect(self._on_tab_changed)
+        try:  # the desktop switched between light and dark: follow it when the theme is "system"
+            from PySide6.QtGui import QGuiApplication
+
+            QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme_changed)
+        except AttributeError:  # Qt < 6.5
+            pass
         self._update_bench_button()
         if not restored_geometry:
             self.resize(1440, 900)
@@ -388,6 +394,10 @@ class MainWindow(QMainWindow):
         self.bench_tab.bars.show_figures(self.bench_tab.bars.figures)  # whiskers in the new text colour
         if self.remember:
             self.qsettings.setValue("view/theme", self.theme)
+
+    def _on_system_scheme_changed(self, *_: Any) -> None:
+        if self.theme == "system":
+            self.set_theme("system")
 
     def _on_tab_changed(self, index: int) -> None:
         if self.remember:

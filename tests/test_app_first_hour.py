@@ -375,3 +375,19 @@ def test_memory_areas_keep_only_the_rounds_where_memory_changes():
     rows = np.array([[1, 1, 1, 2, 2, 2, 2, 3.0]])
     assert _change_points(rows).tolist() == [0, 2, 3, 6, 7]  # each step drawn as a step, and the ends
     assert _change_points(np.zeros((2, 0))).tolist() == []
+
+
+def test_the_system_theme_follows_the_desktop_when_it_switches(qtbot, window, monkeypatch):
+    from app import theme
+
+    window.set_theme("system")
+    monkeypatch.setattr(theme, "system_is_dark", lambda: True)  # the desktop went dark
+    window._on_system_scheme_changed()
+    assert theme.current is theme.DARK and window.plots.graphics.backgroundBrush().color().lightness() < 60
+    monkeypatch.setattr(theme, "system_is_dark", lambda: False)
+    window._on_system_scheme_changed()
+    assert theme.current is theme.LIGHT and window.plots.graphics.backgroundBrush().color().lightness() > 200
+    window.set_theme("light")
+    monkeypatch.setattr(theme, "system_is_dark", lambda: True)
+    window._on_system_scheme_changed()  # a fixed choice stays as chosen
+    assert theme.current is theme.LIGHT
