@@ -55,10 +55,9 @@ def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> 
     """The knob flags. on_top_of names what they change (bench: arm A's profile); then an unset
     flag changes nothing and the defaults shown are EngineSettings' own."""
     d = EngineSettings()
-    unset = argparse.SUPPRESS if on_top_of else None
 
     def default(value):
-        return unset if on_top_of else value
+        return argparse.SUPPRESS if on_top_of else value
 
     p.add_argument("--no-spec", action="store_true", default=default(False), help="plain greedy decoding (no drafting)")
     p.add_argument("--depth", type=int, default=default(d.draft_depth), help="draft depth 1..16")

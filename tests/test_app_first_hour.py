@@ -391,3 +391,19 @@ def test_the_system_theme_follows_the_desktop_when_it_switches(qtbot, window, mo
     monkeypatch.setattr(theme, "system_is_dark", lambda: True)
     window._on_system_scheme_changed()  # a fixed choice stays as chosen
     assert theme.current is theme.LIGHT
+
+
+def test_the_window_takes_threads_from_the_command_line(monkeypatch, capsys):
+    import app.startup_check as check
+    from app.main import run_app
+
+    monkeypatch.setenv("DISPLAY", ":0")
+    monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
+    monkeypatch.delenv("SPECDECK_CPU_THREADS", raising=False)
+    assert run_app(["specdeck", "--threads", "0"]) == 2
+    assert "--threads must be 1 or more" in capsys.readouterr().err
+    monkeypatch.setattr(check, "_run_ldd", lambda path: LDD_DEBIAN_12)  # stop before Qt starts
+    assert run_app(["specdeck", "--model", "x", "--threads", "3"]) == 2
+    import os
+
+    assert os.environ["SPECDECK_CPU_THREADS"] == "3"  # what the engine thread reads at its load
