@@ -399,7 +399,7 @@ def test_the_window_takes_threads_from_the_command_line(monkeypatch, capsys):
 
     monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
-    monkeypatch.delenv("SPECDECK_CPU_THREADS", raising=False)
+    monkeypatch.setenv("SPECDECK_CPU_THREADS", "1")  # restored after the test, whatever run_app sets
     assert run_app(["specdeck", "--threads", "0"]) == 2
     assert "--threads must be 1 or more" in capsys.readouterr().err
     monkeypatch.setattr(check, "_run_ldd", lambda path: LDD_DEBIAN_12)  # stop before Qt starts
