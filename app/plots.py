@@ -283,8 +283,6 @@ class RunPlots(QWidget):
         self._last_frame_s = 0.0
         self.frames_drawn = 0
         self.frame_gate: Any = None  # worker.FrameGate, set by the window
-        self._changed: list[pg.PlotItem] = []  # the plots the last redraw() changed
-        self._all_changed = True
         self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
         self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
         self._round_count = 0  # rounds seen since clear (the marker's round number)
@@ -783,11 +781,9 @@ class RunPlots(QWidget):
         self.redraw()
         self._redraw_s = 0.8 * self._redraw_s + 0.2 * (time.perf_counter() - started)
         if self.isVisible():
-            # Paint only the plots this frame changed (a full repaint costs about three times
-            # as much); the x range moving changes them all.
-            plots = self.time_plots + [self.position_plot] if self._all_changed else self._changed
+            # Every plot changed (they advance together); the margins between them did not.
             region = QRegion()
-            for plot in plots:
+            for plot in [*self.time_plots, self.position_plot]:
                 region += self.graphics.mapFromScene(plot.sceneBoundingRect()).boundingRect()
             self.graphics.viewport().repaint(region)
 
@@ -806,8 +802,6 @@ class RunPlots(QWidget):
         self._draw_time_split(t, r)
         self._draw_positions()
         self._draw_memory(t, r)
-        self._changed = self.time_plots + [self.position_plot]
-        self._all_changed = True
 
         now = time.monotonic()
         self._update_y_ranges(r)
