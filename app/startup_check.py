@@ -79,6 +79,18 @@ def _run_ldd(path: Path) -> str:
         return ""
 
 
+def _loadable(soname: str) -> bool:
+    """Whether the dynamic loader finds this library after all (e.g. beside a bundled app, through
+    LD_LIBRARY_PATH): ldd's 'not found' is then not a reason to refuse to start."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
 def uses_xcb(env: Mapping[str, str]) -> bool:
     """Whether Qt will load the xcb plugin: asked for by name, or the default on an X11 session."""
     platform = env.get("QT_QPA_PLATFORM", "").strip()
@@ -116,6 +128,7 @@ def xcb_problem(
     run_ldd: Callable[[Path], str] = _run_ldd,
     plugins: list[Path] | None = None,
     os_release: str | None = None,
+    loadable: Callable[[str], bool] = _loadable,
 ) -> str | None:
     """One line naming the xcb plugin's missing libraries and the install command, or None
     when the window can open (or the check does not apply: not Linux, not xcb, no ldd)."""
@@ -125,7 +138,7 @@ def xcb_problem(
     missing: list[str] = []
     for plugin in xcb_plugin_paths() if plugins is None else plugins:
         for name in missing_from_ldd(run_ldd(plugin)):
-            if name not in missing:
+            if name not in missing and not loadable(name):
                 missing.append(name)
     if not missing:
         return None
