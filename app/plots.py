@@ -282,6 +282,7 @@ class RunPlots(QWidget):
         self._last_x_update = 0.0
         self._last_frame_s = 0.0
         self.frames_drawn = 0
+        self._rounds_at_last_frame = 0  # rounds plotted by the latest frame (0: none yet)
         self.frame_gate: Any = None  # worker.FrameGate, set by the window
         self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
         self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
@@ -343,6 +344,10 @@ class RunPlots(QWidget):
         for label, stretch in ((self.summary_label, 3), (self.memory_label, 2)):
             label.setWordWrap(True)
             label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
+            # Two lines kept free, so the figures changing each second never resize the plots
+            # (a resize re-lays out and repaints all six).
+            label.setMinimumHeight(2 * label.fontMetrics().lineSpacing() + 2)
+            label.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
             status.addWidget(label, stretch)
         layout.addLayout(status)
 
@@ -739,6 +744,7 @@ class RunPlots(QWidget):
         self._window.clear()
         self._last_settings = None
         self._round_count = 0
+        self._rounds_at_last_frame = 0
         self._origin_s = None
         self.follow_x = True
         self.speed_plot.setXRange(0, 1, padding=0)
@@ -762,7 +768,8 @@ class RunPlots(QWidget):
         # once every MAX_FRAME_INTERVAL_S.
         now = time.monotonic()
         frame_s = self._redraw_s + self.graphics.paint_s
-        if now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
+        first_rounds = self._rounds_at_last_frame == 0 and self._round_count > 0  # show a new run at once
+        if not first_rounds and now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
             return
         gate = self.frame_gate
         if gate is not None and gate.running:
@@ -776,6 +783,7 @@ class RunPlots(QWidget):
     def draw_frame(self) -> None:
         """Redraw and paint now (synchronously, so the paint is over when this returns)."""
         self._last_frame_s = time.monotonic()
+        self._rounds_at_last_frame = self._round_count
         self.frames_drawn += 1
         started = time.perf_counter()
         self.redraw()

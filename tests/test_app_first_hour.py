@@ -410,3 +410,15 @@ def test_the_window_takes_threads_from_the_command_line(monkeypatch, capsys):
     import os
 
     assert os.environ["SPECDECK_CPU_THREADS"] == "3"  # what the engine thread reads at its load
+
+
+def test_the_first_rounds_of_a_run_are_drawn_at_once(qtbot, window):
+    plots = window.plots
+    plots._last_frame_s = __import__("time").monotonic()  # a frame was just drawn (e.g. before Clear)
+    plots.add_rounds(_updates(3, 1.0))
+    frames = plots.frames_drawn
+    plots._on_timer()  # the next timer tick draws, without waiting out the frame interval
+    assert plots.frames_drawn == frames + 1
+    plots.add_rounds(_updates(3, 1.1))
+    plots._on_timer()  # later rounds wait for the interval (the plots' share of time is capped)
+    assert plots.frames_drawn == frames + 1
