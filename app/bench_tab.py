@@ -1,4 +1,6 @@
-"""The Bench tab: A/B of two profiles on the fixed workloads, printed as the seed's tables.
+"""The Bench tab: A/B of two profiles on the fixed workloads, printed in the llama.cpp PR #27173
+table format, with a bar chart beside it (tokens/s per workload, the spread of the rounds as
+error bars) and optionally a saved bench (JSON) drawn as outlines beside the bars for comparison.
 
 It runs engine.bench.run_bench on the engine thread (the same code path as `specdeck bench`):
 arms alternate (A,B then B,A), each run on a reset session, one untimed warm-up per arm. The
@@ -9,11 +11,15 @@ the arms' texts differ (speculation must never change the text).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Signal
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -27,13 +33,128 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QSpinBox,
+    QSplitter,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
+from app import theme
+from app.plots import SERIES_COLORS, _shrinkable, _style_plot
 from engine.profiles import Profile
+
+# Per arm: {workload or "mixed avg": (mean, min, max)} tokens/s.
+Figures = dict[str, dict[str, tuple[float, float, float]]]
+
+
+def figures_from_report(report: Any) -> Figures:
+    out: Figures = {}
+    for arm in report.arms:
+        per: dict[str, tuple[float, float, float]] = {}
+        for w in [*report.workloads, None]:
+            lo, _, hi = report.spread(arm.name, w)
+            per[w or "mixed avg"] = (report.mean_tps(arm.name, w), lo, hi)
+        out[arm.name] = per
+    return out
+
+
+def figures_from_json(data: dict[str, Any]) -> Figures:
+    """The same figures from an exported bench (Export JSON / `specdeck bench --json`)."""
+    rows = data["rows"]
+    out: Figures = {}
+    for arm in data["arms"]:
+        name = arm["name"]
+        per: dict[str, tuple[float, float, float]] = {}
+        by_round: dict[int, list[float]] = {}
+        for w in data["workloads"]:
+            values = [r["tokens_per_second"] for r in rows if r["arm"] == name and r["workload"] == w]
+            for r in rows:
+                if r["arm"] == name and r["workload"] == w:
+                    by_round.setdefault(r["round"], []).append(r["tokens_per_second"])
+            if values:
+                per[w] = (statistics.fmean(values), min(values), max(values))
+        means = [statistics.fmean(v) for v in by_round.values()]
+        if means:
+            all_values = [r["tokens_per_second"] for r in rows if r["arm"] == name]
+            per["mixed avg"] = (statistics.fmean(all_values), min(means), max(means))
+        out[name] = per
+    return out
+
+
+class BenchBars(pg.PlotWidget):
+    """Tokens/s per workload, one bar per arm with the spread of the rounds as an error bar; a
+    compared bench is drawn as dashed outlines beside them."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        item = self.getPlotItem()
+        _style_plot(item, "tokens / s", "")
+        item.setTitle("<b>tokens/s</b> <span style='font-size:8pt'>(whiskers: min..max of the rounds)</span>")
+        _shrinkable(item.titleLabel)
+        item.getViewBox().setMouseEnabled(x=False, y=False)
+        self.legend = item.addLegend(offset=(10, 5), colCount=2)
+        self.figures: Figures = {}
+        self.compare: Figures = {}
+        self.compare_name = ""
+
+    def show_figures(self, figures: Figures, compare: Figures | None = None, compare_name: str = "") -> None:
+        self.figures = figures
+        if compare is not None:
+            self.compare, self.compare_name = compare, compare_name
+        item = self.getPlotItem()
+        item.clear()
+        self.legend.clear()
+        groups: list[str] = []
+        for per in (*self.figures.values(), *self.compare.values()):
+            for w in per:
+                if w not in groups and w != "mixed avg":
+                    groups.append(w)
+        groups.append("mixed avg")
+        arms = [(n, per, False) for n, per in self.figures.items()] + [
+            (n, per, True) for n, per in self.compare.items()
+        ]
+        if not arms:
+            return
+        width = 0.8 / len(arms)
+        top = 0.0
+        for index, (name, per, compared) in enumerate(arms):
+            color = SERIES_COLORS[index % len(SERIES_COLORS)] if not compared else "#888888"
+            xs = np.array([g + (index - (len(arms) - 1) / 2) * width for g in range(len(groups))], dtype=float)
+            cells = [per.get(w, (math.nan, math.nan, math.nan)) for w in groups]
+            mean = np.array([c[0] for c in cells], dtype=float)
+            lo = np.array([c[1] for c in cells], dtype=float)
+            hi = np.array([c[2] for c in cells], dtype=float)
+            if compared:
+                bars = pg.BarGraphItem(
+                    x=xs,
+                    height=np.nan_to_num(mean),
+                    width=width * 0.9,
+                    brush=None,
+                    pen=pg.mkPen(color, width=2, style=Qt.PenStyle.DashLine),
+                )
+            else:
+                bars = pg.BarGraphItem(x=xs, height=np.nan_to_num(mean), width=width * 0.9, brush=pg.mkBrush(color))
+            item.addItem(bars)
+            label = f"{name} ({self.compare_name})" if compared and self.compare_name else name
+            self.legend.addItem(bars, label)
+            finite = np.isfinite(mean) & np.isfinite(lo) & np.isfinite(hi)
+            if finite.any():
+                errors = pg.ErrorBarItem(
+                    x=xs[finite],
+                    y=mean[finite],
+                    top=(hi - mean)[finite],
+                    bottom=(mean - lo)[finite],
+                    beam=width * 0.4,
+                    pen=pg.mkPen(theme.current.foreground if not compared else color, width=1),
+                )
+                item.addItem(errors)
+                top = max(top, float(np.nanmax(hi[finite])))
+        item.getAxis("bottom").setTicks([[(i, g) for i, g in enumerate(groups)]])
+        item.setXRange(-0.6, len(groups) - 0.4, padding=0)
+        self.legend.setColumnCount(min(len(arms), 2))
+        # Room above the tallest whisker for the legend's rows.
+        item.setYRange(0, max(top * (1.25 + 0.12 * ((len(arms) + 1) // 2)), 1.0), padding=0)
 
 
 class BenchTab(QWidget):
@@ -58,8 +179,11 @@ class BenchTab(QWidget):
         workload_row.addStretch(1)
         self.rounds = QSpinBox()
         self.rounds.setRange(1, 50)
-        self.rounds.setValue(2)
-        self.rounds.setToolTip("Each round runs every workload once per arm; arms alternate order")
+        self.rounds.setValue(3)
+        self.rounds.setToolTip(
+            "Each round runs every workload once per arm; arms alternate order. A difference inside the "
+            "spread of the rounds is reported as 'no clear difference'"
+        )
         self.max_new_tokens = QSpinBox()
         self.max_new_tokens.setRange(1, 8192)
         self.max_new_tokens.setValue(128)
@@ -111,7 +235,14 @@ class BenchTab(QWidget):
         mono = QFont("monospace")
         mono.setStyleHint(QFont.StyleHint.Monospace)
         self.tables_view.setFont(mono)
-        self.tables_view.setPlaceholderText("The seed's tables appear here after a bench.")
+        self.tables_view.setPlaceholderText(
+            "The tables (llama.cpp PR #27173 format: round results, per-workload change, acceptance, output "
+            "hashes) appear here after a bench."
+        )
+        self.bars = BenchBars()
+        self.compare_button = QPushButton("Compare with a saved bench (JSON)…")
+        self.compare_button.setToolTip("Draw an exported bench's figures as dashed outlines beside these bars")
+        self.compare_button.clicked.connect(lambda: self.load_comparison())
         self.export_csv_button = QPushButton("Export CSV…")
         self.export_json_button = QPushButton("Export JSON…")
         self.export_csv_button.clicked.connect(lambda: self.export("csv"))
@@ -119,6 +250,7 @@ class BenchTab(QWidget):
         for button in (self.export_csv_button, self.export_json_button):
             button.setEnabled(False)
         export_row = QHBoxLayout()
+        export_row.addWidget(self.compare_button)
         export_row.addStretch(1)
         export_row.addWidget(self.export_csv_button)
         export_row.addWidget(self.export_json_button)
@@ -129,7 +261,13 @@ class BenchTab(QWidget):
         layout = QVBoxLayout(self)
         layout.addWidget(setup)
         layout.addWidget(self.warning_label)
-        layout.addWidget(self.tables_view, 1)
+        results = QSplitter(Qt.Orientation.Horizontal)
+        results.addWidget(self.tables_view)
+        results.addWidget(self.bars)
+        results.setStretchFactor(0, 3)
+        results.setStretchFactor(1, 2)
+        results.setSizes([480, 520])  # the tables scroll sideways; the chart's labels need the room
+        layout.addWidget(results, 1)
         layout.addWidget(QLabel("Output hash per arm (sha-256 of the generated token ids)"))
         layout.addWidget(self.hash_table)
         layout.addLayout(export_row)
@@ -186,6 +324,17 @@ class BenchTab(QWidget):
         self.run_button.setEnabled(not running)
         self.stop_button.setEnabled(running)
 
+    def set_available(self, available: bool, reason: str = "") -> None:
+        """Whether Run bench can start now; when not, its tooltip and the label below say why."""
+        running_bench = self.stop_button.isEnabled()
+        self.run_button.setEnabled(available and not running_bench)
+        tip = "Run both profiles on the checked workloads, alternating, and compare"
+        self.run_button.setToolTip(tip if available else f"Greyed: {reason}")
+        if not available and not running_bench and reason:
+            self.progress_label.setText(reason)
+        elif available and self.progress_label.text().startswith("A run is going"):
+            self.progress_label.setText("")
+
     def on_progress(self, done: int, total: int, message: str) -> None:
         self.progress.setRange(0, total)
         self.progress.setValue(done)
@@ -200,6 +349,8 @@ class BenchTab(QWidget):
         complete = len(report.rows) == report.rounds * len(report.workloads) * len(report.arms)
         self.progress_label.setText("Done." if complete else f"Stopped early: {len(report.rows)} runs measured.")
         self.tables_view.setPlainText(report.format_tables())
+        if hasattr(report, "spread"):
+            self.bars.show_figures(figures_from_report(report))
         self._show_hashes(report)
         for button in (self.export_csv_button, self.export_json_button):
             button.setEnabled(True)
@@ -261,6 +412,22 @@ class BenchTab(QWidget):
         path.write_text(self.report.to_csv() if kind == "csv" else self.report.to_json(), encoding="utf-8")
         self.message.emit(f"Bench report written to {path}")
         return path
+
+    def load_comparison(self, path: str | Path | None = None) -> bool:
+        """A saved bench (JSON) drawn beside this one's bars."""
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Compare with a saved bench", str(Path.home()), "JSON (*.json)")
+            if not path:
+                return False
+        path = Path(path)
+        try:
+            figures = figures_from_json(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.message.emit(f"{path.name}: not a SpecDeck bench export ({type(exc).__name__}: {exc})")
+            return False
+        self.bars.show_figures(self.bars.figures, figures, path.stem)
+        self.message.emit(f"Dashed outlines: {path.name}")
+        return True
 
     def ask_save_path(self, kind: str) -> str:
         path, _ = QFileDialog.getSaveFileName(

@@ -57,6 +57,32 @@ KNOB_HELP = {
 }
 
 
+def check_model_dir(directory: str | Path) -> str | None:
+    """Why this folder cannot be a model (one line), or None when it looks like one. Reads only
+    config.json and file names, so it is quick enough to run when the folder is chosen."""
+    from engine.config import ModelConfig
+    from engine.errors import EngineError
+
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        return f"{path}: not a folder"
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError as exc:
+        return f"{path}: cannot be read ({exc.strerror or exc})"
+    if not names:
+        return f"{path}: the folder is empty; a model folder has config.json, *.safetensors and tokenizer.json"
+    try:
+        ModelConfig.from_file(path / "config.json")
+    except (EngineError, ValueError, OSError) as exc:
+        return str(exc).splitlines()[0]
+    if not any(n.endswith(".safetensors") or n == "model.safetensors.index.json" for n in names):
+        return f"{path}: no *.safetensors weights in the folder"
+    if "tokenizer.json" not in names:
+        return f"{path}: tokenizer.json not found; SpecDeck needs the model's tokenizer.json"
+    return None
+
+
 class KnobPanel(QGroupBox):
     settings_changed = Signal(object)  # EngineSettings
 
@@ -110,7 +136,11 @@ class KnobPanel(QGroupBox):
         self.pending_label = QLabel("")
         self.pending_label.setWordWrap(True)
         self.pending_label.setStyleSheet("color:#666;")
+        self.glossary_label = QLabel("Hover a knob for what it does; Help ▸ Knob glossary lists them all.")
+        self.glossary_label.setWordWrap(True)
+        self.glossary_label.setStyleSheet("color:#666;")
         form.addRow(self.pending_label)
+        form.addRow(self.glossary_label)
 
         self._updating = False
         self.set_settings(EngineSettings())
@@ -119,6 +149,10 @@ class KnobPanel(QGroupBox):
         for spin in (self.draft_depth, self.sub_vocab, self.plan_pool):
             spin.valueChanged.connect(self._on_user_change)
         self.p_min.valueChanged.connect(self._on_user_change)
+
+    def set_colors(self, colors: Any) -> None:
+        for label in (self.pending_label, self.glossary_label):
+            label.setStyleSheet(f"color:{colors.muted};")
 
     def settings(self) -> EngineSettings:
         return EngineSettings(
@@ -317,10 +351,12 @@ class RunPanel(QGroupBox):
     run_clicked = Signal()
     stop_clicked = Signal()
     model_changed = Signal()
+    model_refused = Signal(str)  # a chosen folder that is not a model: why
 
     def __init__(self, workloads: dict[str, Any], bundled_dir: Path | None, parent: QWidget | None = None):
         super().__init__("Run", parent)
         self.workloads = workloads
+        self._readonly_style = "background:#f4f4f4; color:#444;"
 
         self.model_combo = QComboBox()
         bundled_text = f"{BUNDLED_MODEL} ({bundled_dir.name})" if bundled_dir else f"{BUNDLED_MODEL} (not installed)"
@@ -385,7 +421,10 @@ class RunPanel(QGroupBox):
     def _on_model_activated(self, index: int) -> None:
         if self.model_combo.itemData(index) == "__browse__":
             directory = self.ask_model_dir()
-            if directory:
+            problem = check_model_dir(directory) if directory else None
+            if problem:
+                self.model_refused.emit(problem)
+            if directory and not problem:
                 self.add_model_dir(directory)
             else:
                 self.model_combo.setCurrentIndex(self._last_model_index)
@@ -454,7 +493,11 @@ class RunPanel(QGroupBox):
             )
         elif not self.prompt_edit.toPlainText().strip() or self._showing_workload_text():
             self.prompt_edit.clear()
-        self.prompt_edit.setStyleSheet("" if custom else "background:#f4f4f4; color:#444;")
+        self.prompt_edit.setStyleSheet("" if custom else self._readonly_style)
+
+    def set_colors(self, colors: Any) -> None:
+        self._readonly_style = f"background:{colors.readonly_background}; color:{colors.muted};"
+        self._on_workload_changed()
 
     def _showing_workload_text(self) -> bool:
         text = self.prompt_edit.toPlainText()

@@ -34,7 +34,13 @@ def run_app(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     parser = argparse.ArgumentParser(prog="specdeck", add_help=False)
     parser.add_argument("--model")
+    parser.add_argument("--threads", type=int)
     options, qt_args = parser.parse_known_args(argv[1:])
+    if options.threads is not None:  # the engine thread reads it when it loads on the CPU
+        if options.threads < 1:
+            print("specdeck: error: --threads must be 1 or more", file=sys.stderr)
+            return 2
+        os.environ["SPECDECK_CPU_THREADS"] = str(options.threads)
     if (
         not os.environ.get("DISPLAY")
         and not os.environ.get("WAYLAND_DISPLAY")
@@ -46,6 +52,12 @@ def run_app(argv: list[str] | None = None) -> int:
             "or use `specdeck screenshot PATH` to render the window offscreen.",
             file=sys.stderr,
         )
+        return 2
+    from app.startup_check import xcb_problem
+
+    problem = xcb_problem()  # before Qt: a missing library would make it abort (exit 134)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
     app = _application([argv[0] if argv else "specdeck", *qt_args])
     from app.window import MainWindow
@@ -63,18 +75,24 @@ def screenshot(
     switch_to: str | None = "chain",
     start_with: str | None = "control",
     timeout_s: float = 300.0,
+    theme: str = "light",
+    quiet: bool = False,
 ) -> Path:
     """Render the window offscreen after a short run and save it as a PNG.
 
     The run starts with the `start_with` profile and switches to `switch_to` a few rounds in,
     so the picture shows a settings marker and its effect. Uses the bundled model unless
-    `model` names a model folder. Nothing is saved to the user's settings.
+    `model` names a model folder. Nothing is saved to the user's settings. theme: light, dark or
+    system. quiet: Qt's own warnings (the offscreen plugin's "does not support
+    propagateSizeHints()") are not printed.
     """
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    if quiet:
+        _silence_qt_warnings()
     app = _application()
     from app.window import MainWindow
 
-    window = MainWindow(model_dir=model, remember=False)
+    window = MainWindow(model_dir=model, remember=False, theme=theme)
     try:
         window.resize(*size)
         window.run_panel.repeat.setChecked(False)
@@ -123,6 +141,17 @@ def screenshot(
         window.close()
         window.deleteLater()
         app.processEvents()
+
+
+def _silence_qt_warnings() -> None:
+    """Drop Qt's debug/info/warning output (kept: critical and fatal messages)."""
+    from PySide6.QtCore import QtMsgType, qInstallMessageHandler
+
+    def handler(kind: QtMsgType, _context: Any, message: str) -> None:
+        if kind in (QtMsgType.QtCriticalMsg, QtMsgType.QtFatalMsg):
+            sys.stderr.write(message + "\n")
+
+    qInstallMessageHandler(handler)
 
 
 if __name__ == "__main__":

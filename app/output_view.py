@@ -14,8 +14,8 @@ from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QVBoxLayout, QWidget
 
-DRAFT_BACKGROUND = QColor("#c8f0c8")  # accepted draft tokens
-TARGET_BACKGROUND = QColor("#ffffff")  # the target's own (bonus / non-speculative) tokens
+DRAFT_BACKGROUND = QColor("#c8f0c8")  # accepted draft tokens (with dark text, in either theme)
+DRAFT_TEXT = QColor("#102010")
 MAX_CHARACTERS = 400_000  # keep the document bounded on endless repeat runs
 
 
@@ -31,9 +31,11 @@ class OutputView(QWidget):
         legend = QHBoxLayout()
         title = QLabel("<b>Output</b>")
         draft_swatch = QLabel(" accepted draft token ")
-        draft_swatch.setStyleSheet(f"background:{DRAFT_BACKGROUND.name()}; border:1px solid #8c8;")
+        draft_swatch.setStyleSheet(
+            f"background:{DRAFT_BACKGROUND.name()}; color:{DRAFT_TEXT.name()}; border:1px solid #8c8;"
+        )
         target_swatch = QLabel(" target token ")
-        target_swatch.setStyleSheet("background:#fff; border:1px solid #bbb;")
+        target_swatch.setStyleSheet("border:1px solid #bbb;")  # the text's own background
         self.counts_label = QLabel("")
         legend.addWidget(title)
         legend.addWidget(draft_swatch)
@@ -53,8 +55,8 @@ class OutputView(QWidget):
 
         self._draft_format = QTextCharFormat()
         self._draft_format.setBackground(DRAFT_BACKGROUND)
-        self._target_format = QTextCharFormat()
-        self._target_format.setBackground(TARGET_BACKGROUND)
+        self._draft_format.setForeground(DRAFT_TEXT)
+        self._target_format = QTextCharFormat()  # the palette's own text on its own background
 
         # 4 text updates a second read as streaming; each one costs the GUI thread a layout and a
         # paint, time the engine thread then waits for the GIL (measured: 10 a second cost the run

@@ -1,4 +1,5 @@
-"""Live run plots, redrawn from ring buffers by a timer (25 Hz), never once per event.
+"""Live run plots, redrawn from ring buffers by one timer (all plots in the same frame), never
+once per event.
 
 Every time series shares one x axis: seconds since recording started (linked across plots, so
 panning one pans all). Each settings change the engine actually applied (a round whose
@@ -9,6 +10,10 @@ pyqtgraph conventions followed (see the pyqtgraph examples): one PlotDataItem pe
 with setData(float64 arrays); clip-to-view + peak downsampling for long histories; antialias and
 OpenGL off; text refreshed about once a second; y ranges changed at most once a second (1.25 x
 the visible maximum) so the axes do not jitter.
+
+A run that was stopped and started again leaves a gap: a row of NaNs between the two (curves
+drawn with connect="finite" break there) and a start / stop marker at each end. A finished run
+can be kept as a dashed overlay (or one loaded from an exported CSV) to compare the next with.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ from PySide6.QtWidgets import (
     QGraphicsItem,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QPushButton,
     QSizePolicy,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
+
+from app import theme
 
 pg.setConfigOptions(antialias=False, useOpenGL=False, background="w", foreground="#333")
 
@@ -72,7 +81,11 @@ MEMORY_SHORT_NAMES = {
     "graph_pools": "graphs",
     "workspace": "work",
 }
-MARKER_LABEL_CHARS = 44
+MARKER_LABEL_CHARS = 24  # longer labels are shortened; the whole label is in the tooltip
+# Marker labels take turns over these heights (share of the plot, from the bottom), so labels of
+# markers close together sit on different lines instead of over each other.
+MARKER_LANES = (0.92, 0.79, 0.66, 0.53)
+OVERLAY_COLOR = "#888888"
 
 # Short names for marker labels: "depth 3→5", "chain on".
 KNOB_LABELS = {
@@ -147,6 +160,23 @@ def _style_plot(item: pg.PlotItem, unit: str, x_label: str) -> None:
     item.hideButtons()
 
 
+def _shrinkable(label: pg.LabelItem) -> None:
+    """Let a pyqtgraph LabelItem be narrower than its text (LabelItem.updateMin pins the minimum
+    width to the text's on every setText)."""
+    original = label.updateMin
+
+    def update_min() -> None:
+        original()
+        label.setMinimumWidth(0)
+        hints = getattr(label, "_sizeHint", None)
+        if hints is not None:
+            hints[Qt.SizeHint.MinimumSize] = (0, hints[Qt.SizeHint.MinimumSize][1])
+        label.updateGeometry()
+
+    label.updateMin = update_min
+    update_min()
+
+
 def settings_change_label(before: Any, after: Any) -> str:
     """'depth 3→5, chain on' for two EngineSettings values."""
     parts = []
@@ -193,8 +223,28 @@ class TimedGraphicsLayout(pg.GraphicsLayoutWidget):
 class Marker:
     time_s: float
     round_number: int
-    label: str
+    label: str  # the whole label (CSV, tooltip)
     lines: list[pg.InfiniteLine]
+    shown: str = ""  # the text on the plots (shortened when long)
+    lane: int = 0
+
+
+@dataclass
+class RunMark:
+    """Where a run was stopped or started again (a gap lies between a stop and the next start)."""
+
+    time_s: float
+    kind: str  # "start" | "stop"
+    lines: list[pg.InfiniteLine]
+
+
+@dataclass
+class Overlay:
+    """A previous run kept for comparison: time since its start and its smoothed series."""
+
+    name: str
+    time_s: np.ndarray
+    series: dict[str, np.ndarray]
 
 
 class RunPlots(QWidget):
@@ -232,12 +282,9 @@ class RunPlots(QWidget):
         self._last_x_update = 0.0
         self._last_frame_s = 0.0
         self.frames_drawn = 0
+        self._rounds_at_last_frame = 0  # rounds plotted by the latest frame (0: none yet)
         self.frame_gate: Any = None  # worker.FrameGate, set by the window
-        self._changed: list[pg.PlotItem] = []  # the plots the last redraw() changed
-        self._all_changed = True
         self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
-        self._turn = 0  # which of the slower plots the next frame redraws
-        self._rotation_left = 0
         self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
         self._round_count = 0  # rounds seen since clear (the marker's round number)
         self._window: deque[tuple[int, int, int, float]] = deque(maxlen=SMOOTHING_ROUNDS)
@@ -254,7 +301,10 @@ class RunPlots(QWidget):
         self._gpu_names: dict[int, str] = {}
         self._engine_memory: dict[str, int] = {}
         self.markers: list[Marker] = []
+        self.run_marks: list[RunMark] = []
+        self._stopped_at: float | None = None  # a stop not yet followed by a start
         self._label_hints: dict[Any, str] = {}  # settings -> a name for them (a profile's)
+        self.overlay: Overlay | None = None
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -268,18 +318,38 @@ class RunPlots(QWidget):
         self.clear_button.clicked.connect(self.clear)
         self.export_csv_button = QPushButton("Export CSV…")
         self.export_png_button = QPushButton("Export PNG…")
+        self.overlay_button = QToolButton()
+        self.overlay_button.setText("Compare…")
+        self.overlay_button.setToolTip("Overlay a previous run (dashed) on the plots to compare with")
+        self.overlay_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.overlay_menu = QMenu(self.overlay_button)
+        self.keep_overlay_action = self.overlay_menu.addAction("Keep this run as the overlay, and clear")
+        self.keep_overlay_action.triggered.connect(lambda: self.keep_as_overlay())
+        self.load_overlay_action = self.overlay_menu.addAction("Load an exported run (CSV) as the overlay…")
+        self.remove_overlay_action = self.overlay_menu.addAction("Remove the overlay")
+        self.remove_overlay_action.triggered.connect(self.remove_overlay)
+        self.overlay_button.setMenu(self.overlay_menu)
         self.summary_label = QLabel("No run yet: pick a workload and press Run.")
         self.summary_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         for button in (self.pause_button, self.clear_button, self.export_csv_button, self.export_png_button):
             toolbar.addWidget(button)
-        toolbar.addWidget(self.summary_label, 3)
+        toolbar.addWidget(self.overlay_button)
+        toolbar.addStretch(1)
         self.memory_label = QLabel("")
         self.memory_label.setToolTip("The engine's own count of its memory (eng.memory())")
-        toolbar.addWidget(self.memory_label, 2)
-        for label in (self.summary_label, self.memory_label):
-            # Long figures must not widen the window: let the labels be cut instead.
-            label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         layout.addLayout(toolbar)
+        # The figures on a line of their own, wrapped when narrow: never cut off (1280 px and up).
+        status = QHBoxLayout()
+        status.setContentsMargins(4, 0, 4, 0)
+        for label, stretch in ((self.summary_label, 3), (self.memory_label, 2)):
+            label.setWordWrap(True)
+            label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
+            # Two lines kept free, so the figures changing each second never resize the plots
+            # (a resize re-lays out and repaints all six).
+            label.setMinimumHeight(2 * label.fontMetrics().lineSpacing() + 2)
+            label.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop)
+            status.addWidget(label, stretch)
+        layout.addLayout(status)
 
         self.graphics = TimedGraphicsLayout()
         layout.addWidget(self.graphics, 1)
@@ -312,7 +382,7 @@ class RunPlots(QWidget):
             row=1,
             col=1,
             title=_title(
-                "Accepted length (tokens / round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
+                "Accepted length (tokens/round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
             ),
         )
         self.position_plot = g.addPlot(
@@ -331,6 +401,10 @@ class RunPlots(QWidget):
             self.length_plot: "tokens",
             self.memory_plot: "GiB",
         }
+        for plot in self.time_plots + [self.position_plot]:
+            # A title's text must not set the plot's minimum width (the keys would push the right
+            # column out of a 1280 px window); the titles fit a plot of ~440 px.
+            _shrinkable(plot.titleLabel)
         for plot in self.time_plots:
             _style_plot(plot, units[plot], "s")
             if plot is not self.speed_plot:
@@ -380,8 +454,8 @@ class RunPlots(QWidget):
     def _memory_title(with_gpus: bool) -> str:
         keys = [(color, MEMORY_SHORT_NAMES[name]) for name, color in MEMORY_COMPONENTS.items()]
         if with_gpus:
-            keys.append((SERIES_COLORS[3], "GPU used, total┅ (NVML)"))
-        return _title("Memory" if with_gpus else "Memory (engine's own count)", keys)
+            keys.append((SERIES_COLORS[3], "GPU used, total┅"))
+        return _title("Memory", keys)
 
     # ------------------------------------------------------------------------------ data in
 
@@ -462,7 +536,6 @@ class RunPlots(QWidget):
 
     def _mark_dirty(self) -> None:
         self._dirty = True
-        self._rotation_left = 5
 
     def set_engine_memory(self, memory: dict[str, int]) -> None:
         """The engine's own breakdown (eng.memory()), e.g. right after a load."""
@@ -496,13 +569,20 @@ class RunPlots(QWidget):
     def _marker_label(self, before: Any, after: Any) -> str:
         if after in self._label_hints:
             return f"▶ {self._label_hints[after]}"
-        label = settings_change_label(before, after)
-        if len(label) > MARKER_LABEL_CHARS:
-            parts = label.split(", ")
-            label = ", ".join(parts[:2]) + f" +{len(parts) - 2} more"
-        return label
+        return settings_change_label(before, after)
+
+    @staticmethod
+    def shorten(label: str) -> str:
+        """The text a marker shows: the whole label when short, else its first change and a count."""
+        if len(label) <= MARKER_LABEL_CHARS:
+            return label
+        parts = label.split(", ")
+        first = parts[0] if len(parts[0]) <= MARKER_LABEL_CHARS - 8 else parts[0][: MARKER_LABEL_CHARS - 9] + "…"
+        return first + (f" +{len(parts) - 1} more" if len(parts) > 1 else "")
 
     def _add_marker(self, time_s: float, label: str) -> None:
+        lane = len(self.markers) % len(MARKER_LANES)  # neighbours never share a line
+        shown = self.shorten(label)
         lines = []
         for plot in self.time_plots:
             line = pg.InfiniteLine(
@@ -510,17 +590,126 @@ class RunPlots(QWidget):
                 angle=90,
                 movable=False,
                 pen=pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine),
-                label=label,
+                label=shown,
                 labelOpts={
-                    "position": 0.92,
-                    "color": "#a01010",
-                    "fill": (255, 255, 255, 200),
+                    "position": MARKER_LANES[lane],
+                    "color": theme.current.marker_text,
+                    "fill": theme.current.marker_fill,
                     "anchors": [(0, 0), (0, 0)],
+                },
+            )
+            line.label.setToolTip(label)
+            line.setToolTip(label)
+            plot.addItem(line, ignoreBounds=True)
+            lines.append(line)
+        self.markers.append(Marker(time_s, self._round_count, label, lines, shown, lane))
+
+    # ------------------------------------------------------------------------------ gaps
+
+    def mark_stop(self) -> None:
+        """The run stopped (not a repeat). Nothing is drawn until a run starts again: the end of
+        the data already shows where the last run stopped."""
+        if not len(self._rounds["time_s"]) or self._stopped_at is not None:
+            return
+        self._stopped_at = float(self._rounds["time_s"].last())
+
+    def mark_start(self, monotonic_s: float | None = None) -> None:
+        """A run starts after a stop: stop and start markers, and a gap (NaN row) between them,
+        so the curves do not join straight across the time nothing ran."""
+        if self._stopped_at is None:
+            return
+        self._add_run_mark(self._stopped_at, "stop")
+        t = self._clock(time.monotonic() if monotonic_s is None else monotonic_s)
+        row = dict.fromkeys(self.ROUND_COLUMNS)
+        row["time_s"] = (self._stopped_at + t) / 2
+        for name in self.ROUND_COLUMNS:
+            self._rounds[name].append(row[name])
+        self._round_count += 1
+        self._window.clear()  # the 16-round rates start afresh after a gap
+        self._stopped_at = None
+        self._add_run_mark(t, "start")
+        self._mark_dirty()
+
+    def _add_run_mark(self, time_s: float, kind: str) -> None:
+        lines = []
+        for plot in self.time_plots:
+            line = pg.InfiniteLine(
+                pos=time_s,
+                angle=90,
+                movable=False,
+                pen=pg.mkPen("#7f7f7f", width=1, style=Qt.PenStyle.DotLine),
+                label="▶ start" if kind == "start" else "■ stop",
+                labelOpts={
+                    "position": 0.06,
+                    "color": theme.current.foreground,
+                    "fill": theme.current.marker_fill,
+                    "anchors": [(0, 1), (0, 1)] if kind == "start" else [(1, 1), (1, 1)],
                 },
             )
             plot.addItem(line, ignoreBounds=True)
             lines.append(line)
-        self.markers.append(Marker(time_s, self._round_count, label, lines))
+        self.run_marks.append(RunMark(time_s, kind, lines))
+
+    # ------------------------------------------------------------------------------ overlay
+
+    OVERLAY_SERIES = ("tokens_per_second_smoothed", "acceptance_rate_smoothed", "accepted_length_smoothed")
+
+    def _overlay_curves(self) -> dict[str, pg.PlotDataItem]:
+        if not hasattr(self, "_overlay_items"):
+            pen = pg.mkPen(OVERLAY_COLOR, width=2, style=Qt.PenStyle.DashLine)
+            self._overlay_items = {
+                "tokens_per_second_smoothed": self.speed_plot.plot(pen=pen),
+                "acceptance_rate_smoothed": self.acceptance_plot.plot(pen=pen),
+                "accepted_length_smoothed": self.length_plot.plot(pen=pen),
+            }
+            for item in self._overlay_items.values():
+                item.setZValue(-20)
+        return self._overlay_items
+
+    def set_overlay(self, overlay: Overlay | None) -> None:
+        self.overlay = overlay
+        for name, curve in self._overlay_curves().items():
+            if overlay is None:
+                curve.setData([], [])
+            else:
+                curve.setData(overlay.time_s, overlay.series[name], connect="finite")
+        self.remove_overlay_action.setEnabled(overlay is not None)
+        self._last_text_update = 0.0
+        self._mark_dirty()
+
+    def keep_as_overlay(self, name: str = "previous run") -> Overlay | None:
+        """The plotted run becomes the dashed overlay (time from its start) and the plots clear."""
+        t = self._rounds["time_s"].array()
+        if not t.size:
+            return None
+        series = {k: self._rounds[k].array() for k in self.OVERLAY_SERIES}
+        overlay = Overlay(name, t - t[np.isfinite(t)][0], series)
+        self.clear()
+        self.set_overlay(overlay)
+        return overlay
+
+    def load_overlay(self, path: str | Path) -> Overlay:
+        """An exported run (Export CSV) as the overlay. Raises ValueError naming what is wrong."""
+        path = Path(path)
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.DictReader(f))
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            raise ValueError(f"{path.name}: cannot be read ({exc})") from None
+        needed = ("time_s", *self.OVERLAY_SERIES)
+        if not rows or any(k not in rows[0] for k in needed):
+            raise ValueError(f"{path.name}: not a SpecDeck run export (needs the columns {', '.join(needed)})")
+
+        def column(name: str) -> np.ndarray:
+            return np.array([float(r[name]) if r[name] not in ("", None) else np.nan for r in rows], dtype=np.float64)
+
+        t = column("time_s")
+        overlay = Overlay(path.stem, t - t[0], {k: column(k) for k in self.OVERLAY_SERIES})
+        self.set_overlay(overlay)
+        return overlay
+
+    def remove_overlay(self) -> None:
+        self.set_overlay(None)
 
     # ------------------------------------------------------------------------------ controls
 
@@ -546,10 +735,16 @@ class RunPlots(QWidget):
             for plot, line in zip(self.time_plots, marker.lines):
                 plot.removeItem(line)
         self.markers.clear()
+        for mark in self.run_marks:
+            for plot, line in zip(self.time_plots, mark.lines):
+                plot.removeItem(line)
+        self.run_marks.clear()
+        self._stopped_at = None
         self._segments.clear()
         self._window.clear()
         self._last_settings = None
         self._round_count = 0
+        self._rounds_at_last_frame = 0
         self._origin_s = None
         self.follow_x = True
         self.speed_plot.setXRange(0, 1, padding=0)
@@ -573,7 +768,8 @@ class RunPlots(QWidget):
         # once every MAX_FRAME_INTERVAL_S.
         now = time.monotonic()
         frame_s = self._redraw_s + self.graphics.paint_s
-        if now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
+        first_rounds = self._rounds_at_last_frame == 0 and self._round_count > 0  # show a new run at once
+        if not first_rounds and now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
             return
         gate = self.frame_gate
         if gate is not None and gate.running:
@@ -587,65 +783,51 @@ class RunPlots(QWidget):
     def draw_frame(self) -> None:
         """Redraw and paint now (synchronously, so the paint is over when this returns)."""
         self._last_frame_s = time.monotonic()
+        self._rounds_at_last_frame = self._round_count
         self.frames_drawn += 1
         started = time.perf_counter()
         self.redraw()
         self._redraw_s = 0.8 * self._redraw_s + 0.2 * (time.perf_counter() - started)
         if self.isVisible():
-            # Paint only the plots this frame changed (a full repaint costs about three times
-            # as much); the x range moving changes them all.
-            plots = self.time_plots + [self.position_plot] if self._all_changed else self._changed
+            # Every plot changed (they advance together); the margins between them did not.
             region = QRegion()
-            for plot in plots:
+            for plot in [*self.time_plots, self.position_plot]:
                 region += self.graphics.mapFromScene(plot.sceneBoundingRect()).boundingRect()
             self.graphics.viewport().repaint(region)
 
     def redraw(self, force_ranges: bool = False) -> None:
-        """Tokens/s every frame; the other plots one per frame in turn (each still several
-        times a second). A frame then repaints two plots, not six, which keeps it short even
-        while the engine thread competes for the GIL. force_ranges draws everything now."""
+        """Every plot from the same data in one frame, so they all advance together.
+        force_ranges fits the x range to the data and updates the texts now."""
         self._dirty = False
         r = _Columns(self._rounds)  # a frame copies out only the columns it draws
         t = r["time_s"]
-        self.speed_raw_curve.setData(t, r["tokens_per_second"])
-        self.speed_smooth_curve.setData(t, r["tokens_per_second_smoothed"])
-        turn = None if force_ranges else self._turn
-        self._turn = (self._turn + 1) % 5
-        turn_plots = [self.acceptance_plot, self.length_plot, self.time_plot, self.position_plot, self.memory_plot]
-        self._changed = [self.speed_plot] + (turn_plots if turn is None else [turn_plots[turn]])
-        self._all_changed = turn is None
-        if turn in (None, 0):
-            self.acceptance_raw_curve.setData(t, r["acceptance_rate"], connect="finite")
-            self.acceptance_smooth_curve.setData(t, r["acceptance_rate_smoothed"], connect="finite")
-        if turn in (None, 1):
-            self.length_raw_curve.setData(t, r["accepted_length"])
-            self.length_smooth_curve.setData(t, r["accepted_length_smoothed"])
-        if turn in (None, 2):
-            self._draw_time_split(t, r)
-        if turn in (None, 3):
-            self._draw_positions()
-        if turn in (None, 4):
-            self._draw_memory(t, r)
-        # Keep drawing until every plot in the rotation has seen the newest data.
-        self._rotation_left = 0 if turn is None else max(0, self._rotation_left - 1)
-        self._dirty = self._rotation_left > 0
+        self.speed_raw_curve.setData(t, r["tokens_per_second"], connect="finite")
+        self.speed_smooth_curve.setData(t, r["tokens_per_second_smoothed"], connect="finite")
+        self.acceptance_raw_curve.setData(t, r["acceptance_rate"], connect="finite")
+        self.acceptance_smooth_curve.setData(t, r["acceptance_rate_smoothed"], connect="finite")
+        self.length_raw_curve.setData(t, r["accepted_length"], connect="finite")
+        self.length_smooth_curve.setData(t, r["accepted_length_smoothed"], connect="finite")
+        self._draw_time_split(t, r)
+        self._draw_positions()
+        self._draw_memory(t, r)
 
         now = time.monotonic()
-        # One plot's y range per frame too: a range change repaints that plot's axes.
-        self._update_y_ranges(r, only=turn)
+        self._update_y_ranges(r)
         if force_ranges or now - self._last_x_update >= 0.5:
             self._last_x_update = now
-            self._all_changed |= self._update_x_range(r["time_s"], exact=force_ranges)
+            self._update_x_range(r["time_s"], exact=force_ranges)
         if force_ranges or now - self._last_text_update >= 1.0:
             self._last_text_update = now
             self._update_texts(r)
 
     def _draw_time_split(self, t: np.ndarray, r: dict[str, np.ndarray]) -> None:
         columns = ["time_draft_ms", "time_verify_ms", "time_accept_ms", "time_host_ms"]
+        gaps = ~np.isfinite(r["time_round_ms"])  # the rows that separate a stop from a start
         stacked = np.zeros_like(t)
         for curve, column in zip(self.time_split_curves, columns):
             stacked = stacked + _rolling_mean(r[column], SMOOTHING_ROUNDS)
-            curve.setData(t, stacked)
+            shown = np.where(gaps, np.nan, stacked)
+            curve.setData(t, shown, connect="finite")
         self._time_split_top = stacked
 
     def _draw_positions(self) -> None:
@@ -665,10 +847,17 @@ class RunPlots(QWidget):
 
     def _draw_memory(self, t: np.ndarray, r: dict[str, np.ndarray]) -> None:
         scale = self.memory_scale[0]
-        stacked = np.zeros_like(t)
-        for name, curve in self.memory_component_curves.items():
-            stacked = stacked + np.nan_to_num(r[f"engine_{name}_bytes"]) / scale
-            curve.setData(t, stacked)
+        gaps = ~np.isfinite(r["time_round_ms"])
+        columns = [np.nan_to_num(r[f"engine_{name}_bytes"]) / scale for name in self.memory_component_curves]
+        # The engine's memory changes rarely: only the rounds where some component (or a gap)
+        # changes, and the last one, are drawn. Five filled areas of a few corners each paint far
+        # faster than of one corner per round.
+        keep = _change_points(np.vstack([*columns, gaps.astype(np.float64)]) if t.size else np.zeros((1, 0)))
+        tk, gk = t[keep], gaps[keep]
+        stacked = np.zeros_like(tk)
+        for column, curve in zip(columns, self.memory_component_curves.values()):
+            stacked = stacked + column[keep]
+            curve.setData(tk, np.where(gk, np.nan, stacked), connect="finite")
         times = self._memory_times.array()
         for index, used in self._memory_used.items():
             color = SERIES_COLORS[(index + 3) % len(SERIES_COLORS)]
@@ -719,7 +908,7 @@ class RunPlots(QWidget):
             if top_value > current or wanted < 0.5 * current:
                 plot.setYRange(0, wanted, padding=0)
 
-        if only in (None, 0):  # the speed plot's turn comes with the acceptance plot's
+        if only in (None, 0):
             # Single rounds can be very fast (a short bonus-only round): scale to the smoothed
             # rate and to most rounds, not to the one outlier.
             raw = r["tokens_per_second"][np.isfinite(r["tokens_per_second"])]
@@ -758,14 +947,17 @@ class RunPlots(QWidget):
             )
             # A QLabel, not the plot's axis label: changing that would re-layout every plot.
             self.memory_label.setText(f"Engine memory ({name}): {breakdown}")
-        if not len(r["time_s"]):
+        finite = np.isfinite(r["time_round_ms"])
+        if not finite.any():
             return
-        rate = r["acceptance_rate_smoothed"][-1]
+        last = int(np.flatnonzero(finite)[-1])
+        rate = r["acceptance_rate_smoothed"][last]
+        overlay = f" · dashed: {self.overlay.name}" if self.overlay is not None else ""
         self.summary_label.setText(
-            f"round {self._round_count} · {r['tokens_per_second_smoothed'][-1]:.1f} tok/s · "
+            f"round {self._round_count} · {r['tokens_per_second_smoothed'][last]:.1f} tok/s · "
             f"acceptance {'n/a' if np.isnan(rate) else f'{rate:.0%}'} · "
-            f"{r['accepted_length_smoothed'][-1]:.2f} tokens/round · "
-            f"round {r['time_round_ms'][-1]:.1f} ms"
+            f"{r['accepted_length_smoothed'][last]:.2f} tokens/round · "
+            f"round {r['time_round_ms'][last]:.1f} ms{overlay}"
         )
 
     # ------------------------------------------------------------------------------ export
@@ -834,6 +1026,17 @@ class _Columns(dict):
     def __missing__(self, name: str) -> np.ndarray:
         value = self[name] = self._buffers[name].array()
         return value
+
+
+def _change_points(rows: np.ndarray) -> np.ndarray:
+    """Indices of the columns where any row differs from the column before, with the neighbours
+    that keep each step a step (the column before a change), the first and the last column."""
+    n = rows.shape[1]
+    if n <= 2:
+        return np.arange(n)
+    changed = np.flatnonzero(np.any(rows[:, 1:] != rows[:, :-1], axis=0)) + 1
+    keep = np.unique(np.concatenate([[0, n - 1], changed, changed - 1]))
+    return keep
 
 
 def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:

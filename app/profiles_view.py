@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPlainTextEdit,
     QPushButton,
+    QSizePolicy,
     QSplitter,
     QVBoxLayout,
     QWidget,
@@ -88,7 +89,11 @@ class ProfilesTab(QWidget):
         left = QWidget()
         left_layout = QVBoxLayout(left)
         left_layout.setContentsMargins(0, 0, 0, 0)
-        left_layout.addWidget(QLabel(f"<b>Profiles</b> <small>({store.directory})</small>"))
+        heading = QLabel(f"<b>Profiles</b> <small>({store.directory})</small>")
+        heading.setToolTip(str(store.directory))
+        # A long folder path is cut, not allowed to widen the window past the screen.
+        heading.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        left_layout.addWidget(heading)
         left_layout.addWidget(self.list_widget, 1)
         left_layout.addWidget(self.problems_label)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QIcon, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QIcon, QKeySequence
 from PySide6.QtWidgets import (
     QComboBox,
     QFileDialog,
@@ -33,8 +33,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app import theme
 from app.bench_tab import BenchTab
-from app.controls import KnobPanel, RunPanel, SamplingPanel
+from app.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
 from app.monitor import MonitorSample, MonitorSampler, MonitorTab
 from app.output_view import OutputView
 from app.plots import RunPlots, settings_summary
@@ -59,6 +60,22 @@ from engine.settings import EngineSettings
 from engine.untrusted import exists, is_regular_file
 
 ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
+DEFAULT_WORKLOAD = "code_gen"  # a first run works with one click: a real prompt, not an empty one
+CUSTOM_WORKLOAD = "__custom__"  # how the settings file says "the custom prompt"
+TAB_NAMES = ("Live", "GPU monitor", "Profiles", "Bench")
+
+# (keys, what they do): the Help menu's list, and what the window's actions use.
+SHORTCUTS = [
+    ("Ctrl+R", "Run"),
+    ("Ctrl+.", "Stop the run or bench"),
+    ("Space", "Pause / resume the plots (data keeps being recorded)"),
+    ("Ctrl+E", "Export the plot data (CSV)"),
+    ("Ctrl+Shift+E", "Export the plots (PNG)"),
+    ("Ctrl+1 … Ctrl+4", "Live, GPU monitor, Profiles, Bench tab"),
+    ("Ctrl+Tab / Ctrl+Shift+Tab", "Next / previous tab"),
+    ("Ctrl+O", "Open a model folder"),
+    ("Ctrl+Q", "Quit"),
+]
 
 
 def _window_state_settings() -> tuple[QSettings, str | None]:
@@ -86,10 +103,12 @@ class MainWindow(QMainWindow):
         nvml: Any = None,
         remember: bool = True,
         sample_interval_s: float | None = None,
+        theme: str | None = None,
     ):
         """model_dir: preselect this model folder (None: the bundled one).
         nvml: an NVML module to use instead of pynvml (tests).
-        remember: restore and save the last used settings and window state."""
+        remember: restore and save the last used settings and window state.
+        theme: system / light / dark (None: the saved choice, else system)."""
         super().__init__()
         self.setWindowTitle("SpecDeck")
         if ICON_PATH.exists():
@@ -142,7 +161,7 @@ class MainWindow(QMainWindow):
         left_scroll.setWidget(left)
         left_scroll.setWidgetResizable(True)
         left_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        left_scroll.setMinimumWidth(330)
+        left_scroll.setMinimumWidth(300)
         left_scroll.setMaximumWidth(420)
 
         self.plots = RunPlots()
@@ -161,12 +180,17 @@ class MainWindow(QMainWindow):
         )
         self.profiles_tab.current_sampling = self.sampling_panel.sampling
         self.bench_tab = BenchTab(list(self.workloads))
+        self.export_dir: str = str(Path.home())  # where the last export went (remembered)
 
         self.tabs = QTabWidget()
         self.tabs.addTab(live, "Live")
         self.tabs.addTab(self.monitor_tab, "GPU monitor")
         self.tabs.addTab(self.profiles_tab, "Profiles")
-        self.tabs.addTab(self.bench_tab, "Bench")
+        bench_scroll = QScrollArea()  # the A/B bench and the Tune panel: scrolls rather than set a minimum height
+        bench_scroll.setWidgetResizable(True)
+        bench_scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        bench_scroll.setWidget(self.bench_tab)
+        self.tabs.addTab(bench_scroll, "Bench")
 
         self.error_label = QLabel("")
         self.error_label.setWordWrap(True)
@@ -221,6 +245,7 @@ class MainWindow(QMainWindow):
         self.run_panel.run_clicked.connect(self.start_run)
         self.run_panel.stop_clicked.connect(self.stop)
         self.run_panel.model_changed.connect(self._on_model_choice_changed)
+        self.run_panel.model_refused.connect(lambda problem: self.show_error("model", problem))
         self.knobs.settings_changed.connect(self._on_knobs_changed)
         self.profiles_tab.apply_requested.connect(self.apply_profile)
         self.profiles_tab.message.connect(self.show_message)
@@ -247,8 +272,11 @@ class MainWindow(QMainWindow):
         self._save_timer.timeout.connect(self._save_last_used)
 
         self._on_profiles_changed()
+        self.run_panel.select_workload(DEFAULT_WORKLOAD)
+        restored_geometry = False
         if remember:
-            self._restore_state()
+            restored_geometry = self._restore_state()
+        self.set_theme(theme if theme is not None else self._saved_theme())
         if model_dir:
             self.run_panel.add_model_dir(model_dir)
         self._on_model_choice_changed()
@@ -257,7 +285,16 @@ class MainWindow(QMainWindow):
         if self.profiles_tab.problems:
             self.show_message(f"{len(self.profiles_tab.problems)} bad profile file(s) skipped: see the Profiles tab")
         self.sampler.start()
-        self.resize(1440, 900)
+        self.tabs.currentChanged.connect(self._on_tab_changed)
+        try:  # the desktop switched between light and dark: follow it when the theme is "system"
+            from PySide6.QtGui import QGuiApplication
+
+            QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme_changed)
+        except AttributeError:  # Qt < 6.5
+            pass
+        self._update_bench_button()
+        if not restored_geometry:
+            self.resize(1440, 900)
 
     # ------------------------------------------------------------------ menu
 
@@ -267,13 +304,17 @@ class MainWindow(QMainWindow):
         open_model.setShortcut(QKeySequence.StandardKey.Open)
         open_model.triggered.connect(self._open_model_folder)
         export_csv = QAction("Export plot data (CSV)…", self)
-        export_csv.triggered.connect(self.export_plot_csv)
+        export_csv.setShortcut("Ctrl+E")
+        export_csv.triggered.connect(lambda: self.export_plot_csv())
         export_png = QAction("Export plots (PNG)…", self)
-        export_png.triggered.connect(self.export_plot_png)
+        export_png.setShortcut("Ctrl+Shift+E")
+        export_png.triggered.connect(lambda: self.export_plot_png())
+        load_overlay = QAction("Compare with an exported run (CSV)…", self)
+        load_overlay.triggered.connect(lambda: self.load_overlay())
         quit_action = QAction("Quit", self)
         quit_action.setShortcut(QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
-        for action in (open_model, export_csv, export_png):
+        for action in (open_model, export_csv, export_png, load_overlay):
             file_menu.addAction(action)
         file_menu.addSeparator()
         file_menu.addAction(quit_action)
@@ -284,17 +325,142 @@ class MainWindow(QMainWindow):
         stop_action = QAction("Stop", self)
         stop_action.setShortcut("Ctrl+.")
         stop_action.triggered.connect(self.stop)
+        self.pause_action = QAction("Pause plots", self)
+        self.pause_action.setShortcut("Space")
+        self.pause_action.setShortcutContext(Qt.ShortcutContext.WindowShortcut)
+        self.pause_action.setCheckable(True)
+        self.pause_action.toggled.connect(self.plots.set_paused)
+        self.plots.pause_button.toggled.connect(self.pause_action.setChecked)
         run_menu.addAction(run_action)
         run_menu.addAction(stop_action)
+        run_menu.addAction(self.pause_action)
+
+        view_menu = self.menuBar().addMenu("&View")
+        self.theme_actions: dict[str, QAction] = {}
+        group = QActionGroup(self)
+        for mode, text in (("system", "Follow the system"), ("light", "Light"), ("dark", "Dark")):
+            action = QAction(f"Theme: {text}", self)
+            action.setCheckable(True)
+            action.triggered.connect(lambda _=False, m=mode: self.set_theme(m))
+            group.addAction(action)
+            view_menu.addAction(action)
+            self.theme_actions[mode] = action
+        view_menu.addSeparator()
+        self.tab_actions = []
+        for index, name in enumerate(TAB_NAMES):
+            action = QAction(f"{name} tab", self)
+            action.setShortcut(f"Ctrl+{index + 1}")
+            action.triggered.connect(lambda _=False, i=index: self.tabs.setCurrentIndex(i))
+            view_menu.addAction(action)
+            self.tab_actions.append(action)
+        next_tab = QAction("Next tab", self)
+        next_tab.setShortcut(QKeySequence("Ctrl+Tab"))
+        next_tab.triggered.connect(
+            lambda: self.tabs.setCurrentIndex((self.tabs.currentIndex() + 1) % self.tabs.count())
+        )
+        previous_tab = QAction("Previous tab", self)
+        previous_tab.setShortcut(QKeySequence("Ctrl+Shift+Tab"))
+        previous_tab.triggered.connect(
+            lambda: self.tabs.setCurrentIndex((self.tabs.currentIndex() - 1) % self.tabs.count())
+        )
+        view_menu.addAction(next_tab)
+        view_menu.addAction(previous_tab)
+
         help_menu = self.menuBar().addMenu("&Help")
+        shortcuts = QAction("Keyboard shortcuts", self)
+        shortcuts.setShortcut(QKeySequence.StandardKey.HelpContents)
+        shortcuts.triggered.connect(lambda: self._show_help("Keyboard shortcuts", self.shortcuts_html()))
+        glossary = QAction("Knob glossary", self)
+        glossary.triggered.connect(lambda: self._show_help("Knob glossary", self.glossary_html()))
         about = QAction("About SpecDeck", self)
         about.triggered.connect(self._about)
-        help_menu.addAction(about)
+        for action in (shortcuts, glossary, about):
+            help_menu.addAction(action)
+
+    @staticmethod
+    def shortcuts_html() -> str:
+        rows = "".join(
+            f"<tr><td><b>{html.escape(k)}</b>&nbsp;&nbsp;</td><td>{html.escape(v)}</td></tr>" for k, v in SHORTCUTS
+        )
+        return f"<table>{rows}</table>"
+
+    @staticmethod
+    def glossary_html() -> str:
+        names = {
+            "speculative": "Speculative decoding",
+            "draft_depth": "Draft depth",
+            "p_min": "p_min",
+            "chain": "Chain draft steps",
+            "sub_vocab": "Sub-vocab",
+            "mirror_output": "Mirror output layer",
+            "plan_pool": "Plan pool",
+        }
+        items = "".join(
+            f"<p><b>{names[k]}</b> (<code>{k}</code>): {html.escape(text)}</p>" for k, text in KNOB_HELP.items()
+        )
+        return (
+            items + "<p>Speculation changes speed, never text: the output is always the target's greedy decoding. "
+            "Compare settings on the Bench tab (or <code>specdeck bench</code>): a difference inside the spread of "
+            "the rounds is reported as no clear difference.</p>"
+        )
+
+    def _show_help(self, title: str, body: str) -> None:
+        box = QMessageBox(self)
+        box.setWindowTitle(title)
+        box.setTextFormat(Qt.TextFormat.RichText)
+        box.setText(body)
+        box.open()
+        self._help_box = box
+
+    # ------------------------------------------------------------------ theme and tabs
+
+    def _saved_theme(self) -> str:
+        if not self.remember:
+            return "system"
+        mode = str(self.qsettings.value("view/theme", "system"))
+        return mode if mode in theme.THEMES else "system"
+
+    def set_theme(self, mode: str) -> None:
+        """system / light / dark: the widgets' palette, the plots, the output's colours."""
+        colors = theme.apply_theme(mode)
+        theme.style_plots(self, colors)
+        self.theme = theme.current_mode
+        if self.theme in self.theme_actions:
+            self.theme_actions[self.theme].setChecked(True)
+        self.run_panel.set_colors(colors)
+        self.knobs.set_colors(colors)
+        self.bench_tab.bars.show_figures(self.bench_tab.bars.figures)  # whiskers in the new text colour
+        if self.remember:
+            self.qsettings.setValue("view/theme", self.theme)
+
+    def _on_system_scheme_changed(self, *_: Any) -> None:
+        if self.theme == "system":
+            self.set_theme("system")
+
+    def _on_tab_changed(self, index: int) -> None:
+        if self.remember:
+            self.qsettings.setValue("window/tab", index)
+
+    def _update_bench_button(self) -> None:
+        """Run bench is greyed only while something runs, and then says why."""
+        busy = self.state != "idle"
+        self.bench_tab.set_available(not busy, "A run is going: stop it (Ctrl+.) to start a bench." if busy else "")
 
     def _open_model_folder(self) -> None:
         directory = self.run_panel.ask_model_dir()
         if directory:
-            self.run_panel.add_model_dir(directory)
+            self.choose_model_dir(directory)
+
+    def choose_model_dir(self, directory: str) -> bool:
+        """Check a folder the user picked before it is listed (and remembered): a folder that is
+        not a model is refused with the reason, and the previous choice stays."""
+        problem = check_model_dir(directory)
+        if problem:
+            self.show_error("model", problem)
+            return False
+        self.clear_error()
+        self.run_panel.add_model_dir(directory)
+        return True
 
     def _about(self) -> None:
         from engine import __version__
@@ -327,8 +493,9 @@ class MainWindow(QMainWindow):
         self._stopping = False
         self.state = "running"
         self.run_panel.set_running(True)
-        self.bench_tab.run_button.setEnabled(False)
+        self._update_bench_button()
         self.plots.recording = True
+        self.plots.mark_start()
         self.state_label.setText("Starting…")
         self.worker.load_and_run(request)
 
@@ -348,9 +515,18 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, loaded: LoadedModel) -> None:
         info = loaded.info
         self.model_info = info
+        threads = ""
+        if str(info.get("device", "")).startswith("cpu"):
+            import torch
+
+            count = torch.get_num_threads()  # engine.threads' rule, set by the worker before the load
+            threads = f" · {count} CPU thread{'s' if count != 1 else ''}"
         self.model_label.setText(
             f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
-            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}"
+            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}{threads}"
+        )
+        self.model_label.setToolTip(
+            "CPU threads: the usable cores minus one (SPECDECK_CPU_THREADS or specdeck --threads N overrides)"
         )
         self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
         self.plots.set_engine_memory(loaded.memory)
@@ -399,8 +575,9 @@ class MainWindow(QMainWindow):
         else:
             self.state = "idle"
             self.plots.recording = False
+            self.plots.mark_stop()
             self.run_panel.set_running(False)
-            self.bench_tab.run_button.setEnabled(True)
+            self._update_bench_button()
             stats = finished.stats or {}
             if finished.stop_reason == "error":
                 self.state_label.setText("Run failed (see the message above)")
@@ -419,6 +596,8 @@ class MainWindow(QMainWindow):
 
     def _on_knobs_changed(self, settings: EngineSettings) -> None:
         self.applied_profile = None  # a knob turned by hand: the profile no longer applies
+        if self.remember:
+            self.qsettings.setValue("run/profile", "")
         self.worker.set_settings(settings)
         self._after_settings_change()
 
@@ -438,6 +617,8 @@ class MainWindow(QMainWindow):
         self.worker.set_settings(profile.settings, profile.sub_vocab_fraction)
         self._after_settings_change()
         self.profile_combo.setCurrentText(profile.name)
+        if self.remember:
+            self.qsettings.setValue("run/profile", profile.name)
 
     def _on_quick_profile(self, index: int) -> None:
         profile = next((p for p in self.profiles_tab.profiles if p.name == self.profile_combo.itemText(index)), None)
@@ -494,6 +675,7 @@ class MainWindow(QMainWindow):
         self.state = "bench"
         self._stopping = False
         self.run_panel.set_running(True)
+        self._update_bench_button()
         self.state_label.setText("Bench running…")
         self.worker.bench(BenchRequest(self.model_key(), arms, workloads, rounds, max_new_tokens))
 
@@ -501,6 +683,7 @@ class MainWindow(QMainWindow):
         self.state = "idle"
         self.run_panel.set_running(False)
         self.bench_tab.on_finished(report)
+        self._update_bench_button()
         self.state_label.setText("Bench done" if report is not None else "Bench stopped")
         if report is None or not self.bench_tab.record_figures.isChecked():
             return
@@ -559,9 +742,13 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ messages
 
     def show_error(self, context: str, message: str) -> None:
-        what = {"load": "Could not load the model", "run": "The run failed", "bench": "The bench failed"}.get(
-            context, "Problem"
-        )
+        what = {
+            "load": "Could not load the model",
+            "run": "The run failed",
+            "bench": "The bench failed",
+            "model": "Not a model folder",
+            "overlay": "Cannot compare with that file",
+        }.get(context, "Problem")
         self.last_error = f"{what}: {message}"
         self.error_label.setText(f"<b>{what}</b>: {html.escape(message, quote=False)}")
         self.error_banner.show()
@@ -575,31 +762,53 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------ export
 
+    def _ask_save(self, title: str, name: str, kind: str) -> str:
+        path, _ = QFileDialog.getSaveFileName(self, title, str(Path(self.export_dir) / name), kind)
+        return path
+
+    def _remember_export(self, path: str | Path) -> None:
+        self.export_dir = str(Path(path).resolve().parent)
+        if self.remember:
+            self.qsettings.setValue("export/dir", self.export_dir)
+
     def export_plot_csv(self, path: str | None = None) -> list[Path]:
         if not path:
-            path, _ = QFileDialog.getSaveFileName(
-                self, "Export plot data", str(Path.home() / "specdeck-run.csv"), "CSV (*.csv)"
-            )
+            path = self._ask_save("Export plot data", "specdeck-run.csv", "CSV (*.csv)")
             if not path:
                 return []
         written = self.plots.export_csv(path)
+        self._remember_export(path)
         self.show_message("Wrote " + ", ".join(str(p) for p in written))
         return written
 
     def export_plot_png(self, path: str | None = None) -> Path | None:
         if not path:
-            path, _ = QFileDialog.getSaveFileName(
-                self, "Export plots", str(Path.home() / "specdeck-plots.png"), "PNG (*.png)"
-            )
+            path = self._ask_save("Export plots", "specdeck-plots.png", "PNG (*.png)")
             if not path:
                 return None
         written = self.plots.export_png(path)
+        self._remember_export(path)
         self.show_message(f"Wrote {written}")
         return written
 
+    def load_overlay(self, path: str | None = None) -> bool:
+        """Overlay an exported run (dashed) on the plots."""
+        if not path:
+            path, _ = QFileDialog.getOpenFileName(self, "Compare with an exported run", self.export_dir, "CSV (*.csv)")
+            if not path:
+                return False
+        try:
+            overlay = self.plots.load_overlay(path)
+        except ValueError as exc:
+            self.show_error("overlay", str(exc))
+            return False
+        self.show_message(f"Dashed lines: {overlay.name}")
+        return True
+
     # ------------------------------------------------------------------ persistence
 
-    def _restore_state(self) -> None:
+    def _restore_state(self) -> bool:
+        """Settings, window size and state, choices; returns whether a window geometry was restored."""
         settings, problem = load_last_used()
         if settings is not None:
             self.knobs.set_settings(settings)
@@ -609,11 +818,12 @@ class MainWindow(QMainWindow):
         if self._state_notice:
             self.show_message(self._state_notice)
         try:
-            self._restore_window_state()
+            return self._restore_window_state(settings)
         except Exception as exc:  # a hand-edited or damaged window.ini: ignored, the window opens anyway
             self.show_message(f"window state not restored (window.ini: {type(exc).__name__}: {exc}); using defaults")
+            return False
 
-    def _restore_window_state(self) -> None:
+    def _restore_window_state(self, settings) -> bool:
         q = self.qsettings
         bad: list[str] = []
 
@@ -625,14 +835,29 @@ class MainWindow(QMainWindow):
             return default
 
         geometry = q.value("window/geometry")
+        restored = False
         if isinstance(geometry, (QByteArray, bytes)):
-            self.restoreGeometry(geometry)
+            restored = bool(self.restoreGeometry(geometry))
         elif geometry is not None:
             bad.append("window/geometry")
+        for key, restore in (
+            ("window/state", self.restoreState),
+            ("window/splitter", self.centralWidget().restoreState),
+        ):
+            value = q.value(key)
+            if isinstance(value, (QByteArray, bytes)):
+                restore(value)
+            elif value is not None:
+                bad.append(key)
         dirs = q.value("run/model_dirs", [])
         dirs = [dirs] if isinstance(dirs, str) else dirs
         for directory in dirs if isinstance(dirs, list) else []:
-            if isinstance(directory, str) and "\0" not in directory and Path(directory).is_dir():
+            if (
+                isinstance(directory, str)
+                and "\0" not in directory
+                and Path(directory).is_dir()
+                and check_model_dir(directory) is None
+            ):
                 self.run_panel.add_model_dir(directory)
         chosen = text("run/model_dir", "")
         if chosen:
@@ -645,9 +870,14 @@ class MainWindow(QMainWindow):
         if self.run_panel.dtype_combo.findText(dtype) >= 0:
             self.run_panel.dtype_combo.setCurrentText(dtype)
         workload = text("run/workload", "")
-        self.run_panel.select_workload(workload or None)
-        if not workload:
-            self.run_panel.prompt_edit.setPlainText(text("run/custom_prompt", ""))
+        custom_prompt = text("run/custom_prompt", "")
+        if workload == CUSTOM_WORKLOAD and custom_prompt.strip():
+            self.run_panel.select_workload(None)
+            self.run_panel.prompt_edit.setPlainText(custom_prompt)
+        elif workload in self.workloads:
+            self.run_panel.select_workload(workload)
+        else:  # first launch, or an empty custom prompt: a real workload, so Run works at once
+            self.run_panel.select_workload(DEFAULT_WORKLOAD)
         try:
             max_new = int(q.value("run/max_new_tokens", 256))
         except (TypeError, ValueError, OverflowError):
@@ -655,8 +885,21 @@ class MainWindow(QMainWindow):
             bad.append("run/max_new_tokens")
         self.run_panel.max_new_tokens.setValue(max(1, min(max_new, 1 << 30)))
         self.run_panel.repeat.setChecked(q.value("run/repeat", "true") in (True, "true"))
+        self.export_dir = text("export/dir", self.export_dir) or self.export_dir
+        tab = q.value("window/tab")
+        if tab is not None and str(tab).isdigit() and int(tab) < self.tabs.count():
+            self.tabs.setCurrentIndex(int(tab))
+        profile_name = text("run/profile", "")
+        profile = next((p for p in self.profiles_tab.profiles if p.name == profile_name), None)
+        if profile is not None:  # the active profile, as it was when the window closed
+            self.profile_combo.setCurrentText(profile.name)
+            self.applied_profile = profile
+            self.worker.set_settings(profile.settings, profile.sub_vocab_fraction)
+            vocab_fitted = profile.settings if settings is None else settings
+            self.knobs.set_settings(vocab_fitted)
         if bad:
             self.show_message(f"window state: ignored bad value(s) for {', '.join(bad)} in window.ini")
+        return restored
 
     def _save_last_used(self) -> None:
         try:
@@ -668,10 +911,13 @@ class MainWindow(QMainWindow):
         self._save_last_used()
         q = self.qsettings
         q.setValue("window/geometry", self.saveGeometry())
+        q.setValue("window/state", self.saveState())
+        q.setValue("window/splitter", self.centralWidget().saveState())
+        q.setValue("window/tab", self.tabs.currentIndex())
         q.setValue("run/model_dirs", self.run_panel.model_dirs())
         q.setValue("run/model_dir", self.run_panel.model_dir() or "")
         q.setValue("run/dtype", self.run_panel.dtype())
-        q.setValue("run/workload", self.run_panel.workload_name() or "")
+        q.setValue("run/workload", self.run_panel.workload_name() or CUSTOM_WORKLOAD)
         if self.run_panel.workload_name() is None:
             q.setValue("run/custom_prompt", self.run_panel.prompt())
         q.setValue("run/max_new_tokens", self.run_panel.max_new_tokens.value())

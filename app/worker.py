@@ -21,7 +21,6 @@ session.cancel(), so both act within one round even while the worker thread is b
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback
@@ -406,20 +405,17 @@ class EngineWorker(QObject):
 
 
 def cpu_threads_for_the_engine() -> int:
-    """Intra-op threads for CPU runs in the app: one core fewer than the process may use.
+    """Intra-op threads for CPU runs in the app: engine.threads' rule, the same as the CLI's (one
+    core fewer than the process may use; SPECDECK_CPU_THREADS overrides). The window's thread needs
+    a share of one core to draw, and a pool thread sharing that core makes every op wait for it
+    (seen on a 2-core machine: rounds 10x slower with 2 threads than with 1). A bad
+    SPECDECK_CPU_THREADS falls back to the default here (the CLI refuses it)."""
+    from engine.threads import cpu_threads, default_cpu_threads
 
-    torch's CPU pool wants every core and waits at each op for its slowest thread; the window's
-    thread needs a share of one core to draw, and a pool thread sharing that core makes every op
-    wait for it (seen on a 2-core machine: rounds 10x slower with 2 threads than with 1).
-    SPECDECK_CPU_THREADS overrides."""
-    override = os.environ.get("SPECDECK_CPU_THREADS")
-    if override and override.isdigit() and int(override) > 0:
-        return int(override)
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+        return cpu_threads()[0]
+    except ValueError:
+        return default_cpu_threads()
 
 
 def leave_a_core_for_the_window() -> None:

@@ -1,9 +1,14 @@
-"""A/B benchmarks on the fixed workloads, printed as the seed's tables.
+"""A/B benchmarks on the fixed workloads, printed in the llama.cpp PR #27173 table format
+(Config / Round results / Mean, then one row per workload with the change).
 
 Arms run alternately (A,B then B,A in the next round) on a fresh session each time, so neither arm
 profits from the other's warm state; each arm gets one untimed warm-up first. Generation tokens/s
-counts decode rounds only (prefill excluded), as the seed's server timings did. The CLI
+counts decode rounds only (prefill excluded), as llama.cpp's server timings do. The CLI
 (`specdeck bench`) and the app's bench tab both call `run_bench`.
+
+Every figure comes with the spread of its repeats (min / median / max over the rounds), and a
+difference whose ranges overlap is called "no clear difference", never a win: on a busy or
+oversubscribed CPU the same A/B can change sign from one run to the next.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class BenchReport:
         ]
 
     def round_means(self, arm: str) -> list[float]:
-        """Mean generation t/s over the workloads, per round (the seed's 'Round results')."""
+        """Mean generation t/s over the workloads, per round (the 'Round results' column)."""
         out = []
         for rnd in range(self.rounds):
             rows = self._rows(arm, rnd=rnd)
@@ -75,6 +80,33 @@ class BenchReport:
     def mean_of(self, arm: str, workload: str, key: str) -> float:
         rows = self._rows(arm, workload)
         return statistics.fmean(getattr(r, key) for r in rows) if rows else float("nan")
+
+    def round_values(self, arm: str, workload: str | None = None) -> list[float]:
+        """One figure per round: the workload's t/s, or (workload None) the mean over the workloads."""
+        if workload is None:
+            return self.round_means(arm)
+        return [r.tokens_per_second for r in sorted(self._rows(arm, workload), key=lambda r: r.round)]
+
+    def spread(self, arm: str, workload: str | None = None) -> tuple[float, float, float]:
+        """(min, median, max) of the per-round figures; NaNs when nothing was measured."""
+        values = self.round_values(arm, workload)
+        if not values:
+            return (float("nan"),) * 3
+        return min(values), statistics.median(values), max(values)
+
+    def verdict(self, a: str, b: str, workload: str | None = None) -> str:
+        """'faster' / 'slower' when B's per-round range lies wholly above / below A's, else
+        'no clear difference'. One round has no spread: 'one round, no spread'."""
+        va, vb = self.round_values(a, workload), self.round_values(b, workload)
+        if not va or not vb:
+            return "not measured"
+        if len(va) < 2 or len(vb) < 2:
+            return "one round, no spread"
+        if min(vb) > max(va):
+            return "faster"
+        if max(vb) < min(va):
+            return "slower"
+        return "no clear difference"
 
     def hashes(self, arm: str, workload: str) -> set[str]:
         return {r.output_hash for r in self._rows(arm, workload)}
@@ -96,46 +128,83 @@ class BenchReport:
     # ---- output ---------------------------------------------------------------------------------
     def format_tables(self) -> str:
         lines: list[str] = []
-        head = f"{'Config':<24} {'Depth':>5}  {'Round results':<32} {'Mean':>8}"
+        threads = self.meta.get("cpu_threads")
+        if threads is not None:
+            source = self.meta.get("cpu_threads_source")
+            lines.append(
+                f"CPU threads: {threads}" + (f" ({source})" if source else "") + f"; {self.rounds} round(s) x "
+                f"{len(self.workloads)} workload(s) x {self.max_new_tokens} tokens per arm, arms alternating"
+            )
+            lines.append("")
+        names = [a.name for a in self.arms]
+        width = max([6, *(len(n) for n in names)])  # arm names are never cut, the columns follow them
+        rr_width = max([len("Round results"), *(len(self._round_text(n)) for n in names)])
+        head = f"{'Config':<{width}}  {'Depth':>5}  {'Round results':<{rr_width}}  {'Mean':>8}  {'Min':>8}  {'Median':>8}  {'Max':>8}"
         lines += [head, "-" * len(head)]
         for a in self.arms:
             depth = a.settings.draft_depth if a.settings.speculative else 0
-            rr = ", ".join(f"{v:.1f}" for v in self.round_means(a.name))
-            lines.append(f"{a.name:<24} {depth:>5}  {rr:<32} {self.mean_tps(a.name):>8.1f}")
+            lo, med, hi = self.spread(a.name)
+            lines.append(
+                f"{a.name:<{width}}  {depth:>5}  {self._round_text(a.name):<{rr_width}}  {self.mean_tps(a.name):>8.1f}"
+                f"  {lo:>8.1f}  {med:>8.1f}  {hi:>8.1f}"
+            )
         lines.append("")
-        names = [a.name for a in self.arms]
-        head = f"{'Category':<12}" + "".join(f" {n[:14]:>14}" for n in names)
-        if len(names) == 2:
-            head += f" {'Change':>8}"
+        col = max(14, *(len(n) for n in names))
+        two = len(names) == 2
+        head = f"{'Category':<12}" + "".join(f"  {n:>{col}}" for n in names)
+        if two:
+            head += f"  {'Change':>8}  {'Verdict (spread of the rounds)':<30}"
         lines += [head, "-" * len(head)]
         for w in [*self.workloads, "mixed avg"]:
-            vals = [self.mean_tps(n) if w == "mixed avg" else self.mean_tps(n, w) for n in names]
-            line = f"{w:<12}" + "".join(f" {v:>14.1f}" for v in vals)
-            if len(names) == 2:
-                line += f" {_pct(vals[0], vals[1]):>8}"
-            lines.append(line)
+            wl = None if w == "mixed avg" else w
+            vals = [self.mean_tps(n, wl) for n in names]
+            line = f"{w:<12}" + "".join(f"  {v:>{col}.1f}" for v in vals)
+            if two:
+                line += f"  {_pct(vals[0], vals[1]):>8}  {self.verdict(names[0], names[1], wl):<30}"
+            lines.append(line.rstrip())
         lines.append("")
-        head = f"{'Accepted length / acceptance':<30}" + "".join(f" {n[:20]:>20}" for n in names)
+        col = max(20, *(len(n) for n in names))
+        head = f"{'Accepted length / acceptance':<30}" + "".join(f"  {n:>{col}}" for n in names)
         lines += [head, "-" * len(head)]
         for w in self.workloads:
             cells = [
                 f"{self.mean_of(n, w, 'mean_accepted_length'):.2f} / {100 * self.mean_of(n, w, 'acceptance_rate'):.0f}%"
                 for n in names
             ]
-            lines.append(f"{w:<30}" + "".join(f" {c:>20}" for c in cells))
+            lines.append(f"{w:<30}" + "".join(f"  {c:>{col}}" for c in cells))
         lines.append("")
-        head = f"{'Output hash':<12}" + "".join(f" {n[:14]:>14}" for n in names)
+        col = max(14, *(len(n) for n in names))
+        head = f"{'Output hash':<12}" + "".join(f"  {n:>{col}}" for n in names)
         lines += [head, "-" * len(head)]
         for w in self.workloads:
             cells = [",".join(sorted(self.hashes(n, w))) for n in names]
-            lines.append(f"{w:<12}" + "".join(f" {c:>14}" for c in cells))
+            lines.append(f"{w:<12}" + "".join(f"  {c:>{col}}" for c in cells))
         lines.append("")
         if any(a.sampling is not None for a in self.arms):
             lines.append(
                 "sampled arms: left out of the text check (speculation keeps their distribution, not their text)"
             )
         lines.append("outputs identical across arms" if self.arms_agree else "WARNING: the arms' output texts differ")
+        if two:
+            lines.append(self.summary_line())
         return "\n".join(lines)
+
+    def _round_text(self, arm: str) -> str:
+        return ", ".join(f"{v:.1f}" for v in self.round_means(arm))
+
+    def summary_line(self) -> str:
+        """One sentence on B vs A over the mixed average, with the spread it is judged by."""
+        a, b = self.arms[0].name, self.arms[1].name
+        alo, _, ahi = self.spread(a)
+        blo, _, bhi = self.spread(b)
+        change = _pct(self.mean_tps(a), self.mean_tps(b))
+        ranges = f"{a}: {alo:.1f}-{ahi:.1f} t/s, {b}: {blo:.1f}-{bhi:.1f} t/s over {self.rounds} round(s)"
+        verdict = self.verdict(a, b)
+        if verdict in ("faster", "slower"):
+            return f"{b} is {verdict} than {a}: {change} ({ranges}; the ranges do not overlap)"
+        if verdict == "no clear difference":
+            return f"no clear difference between {a} and {b}: {change} is inside the spread ({ranges})"
+        return f"{b} vs {a}: {change}; {verdict} (use --rounds 3 or more for a verdict)"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,11 +221,13 @@ class BenchReport:
                 a.name: {
                     "mean_tokens_per_second": self.mean_tps(a.name),
                     "round_results": self.round_means(a.name),
+                    "spread": dict(zip(("min", "median", "max"), self.spread(a.name))),
                     "per_workload": {w: self.mean_tps(a.name, w) for w in self.workloads},
                 }
                 for a in self.arms
             },
             "arms_agree": self.arms_agree,
+            "verdict": self.verdict(self.arms[0].name, self.arms[1].name) if len(self.arms) == 2 else None,
             "rows": [asdict(r) for r in self.rows],
             "meta": self.meta,
         }
@@ -199,7 +270,10 @@ def run_bench(
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOAD_NAMES)}")
     for a in arms:
         engine.check_settings(a.settings)
-    report = BenchReport(arms, workloads, rounds, max_new_tokens, meta={"model": engine.info})
+    import torch
+
+    meta: dict[str, Any] = {"model": engine.info, "cpu_threads": torch.get_num_threads()}
+    report = BenchReport(arms, workloads, rounds, max_new_tokens, meta=meta)
     total = rounds * len(workloads) * len(arms)
     done = 0
     session = engine.new_session()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -45,23 +46,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["cublas", "autotune"],
         help="one-token GEMMs: cublas, or autotune (torch.compile max-autotune; large models on CUDA)",
     )
+    _add_threads_arg(p)
 
 
-def _add_knob_args(p: argparse.ArgumentParser) -> None:
-    d = EngineSettings()
-    p.add_argument("--no-spec", action="store_true", help="plain greedy decoding (no drafting)")
-    p.add_argument("--depth", type=int, default=d.draft_depth, help="draft depth 1..16")
-    p.add_argument("--p-min", type=float, default=d.p_min, help="stop drafting below this draft probability")
-    p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=d.chain, help="chained drafting")
-    p.add_argument("--sub-vocab", type=int, default=d.sub_vocab, help="draft over the first N ids (0 = all)")
-    p.add_argument("--plan-pool", type=int, default=d.plan_pool, help="CUDA graphs kept (0 = none)")
-    p.add_argument("--mirror-output", action=argparse.BooleanOptionalAction, default=d.mirror_output)
-    s = SamplingParams()
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=s.top_k, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=s.top_p, help="nucleus: smallest set reaching this mass (1 = off)")
-    p.add_argument("--min-p", type=float, default=s.min_p, help="drop tokens below min_p x the top one (0 = off)")
-    p.add_argument("--seed", type=int, default=s.seed, help="random seed: same seed + settings = same text")
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="PyTorch CPU threads (default: $SPECDECK_CPU_THREADS, else the usable cores minus one)",
+    )
 
 
 def _sampling_from_args(a: argparse.Namespace) -> SamplingParams | None:
@@ -93,16 +87,52 @@ def parse_arm_sampling(spec: str, base: SamplingParams | None) -> SamplingParams
     return None if sp.greedy else sp
 
 
-def _settings_from_args(a: argparse.Namespace) -> EngineSettings:
-    return EngineSettings(
-        speculative=not a.no_spec,
-        draft_depth=a.depth,
-        p_min=a.p_min,
-        chain=a.chain,
-        sub_vocab=a.sub_vocab,
-        mirror_output=a.mirror_output,
-        plan_pool=a.plan_pool,
-    )
+def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> None:
+    """The knob flags. on_top_of names what they change (bench: arm A's profile); then an unset
+    flag changes nothing and the defaults shown are EngineSettings' own."""
+    d = EngineSettings()
+
+    def default(value):
+        return argparse.SUPPRESS if on_top_of else value
+
+    p.add_argument("--no-spec", action="store_true", default=default(False), help="plain greedy decoding (no drafting)")
+    p.add_argument("--depth", type=int, default=default(d.draft_depth), help="draft depth 1..16")
+    p.add_argument("--p-min", type=float, default=default(d.p_min), help="stop drafting below this draft probability")
+    p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=default(d.chain), help="chained drafting")
+    p.add_argument("--sub-vocab", type=int, default=default(d.sub_vocab), help="draft over the first N ids (0 = all)")
+    p.add_argument("--plan-pool", type=int, default=default(d.plan_pool), help="CUDA graphs kept (0 = none)")
+    p.add_argument("--mirror-output", action=argparse.BooleanOptionalAction, default=default(d.mirror_output))
+    sp = SamplingParams()
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=sp.top_k, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=sp.top_p, help="nucleus: smallest set reaching this mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=sp.min_p, help="drop tokens below min_p x the top one (0 = off)")
+    p.add_argument("--seed", type=int, default=sp.seed, help="random seed: same seed + settings = same text")
+
+
+_FLAG_FOR_FIELD = {
+    "no_spec": ("speculative", lambda v: not v),
+    "depth": ("draft_depth", None),
+    "p_min": ("p_min", None),
+    "chain": ("chain", None),
+    "sub_vocab": ("sub_vocab", None),
+    "mirror_output": ("mirror_output", None),
+    "plan_pool": ("plan_pool", None),
+}
+
+
+def _knob_changes(a: argparse.Namespace) -> dict[str, object]:
+    """The knobs given on the command line, as EngineSettings fields."""
+    changes: dict[str, object] = {}
+    for flag, (field, convert) in _FLAG_FOR_FIELD.items():
+        if hasattr(a, flag):
+            value = getattr(a, flag)
+            changes[field] = convert(value) if convert else value
+    return changes
+
+
+def _settings_from_args(a: argparse.Namespace, base: EngineSettings | None = None) -> EngineSettings:
+    return (base or EngineSettings()).replace(**_knob_changes(a))
 
 
 def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, EngineSettings]:
@@ -136,6 +166,30 @@ def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, En
     return profile.name, profile.settings_for(vocab_size)
 
 
+# Engine messages name Python arguments (device='cpu', max_context); the CLI's user names flags.
+_WORDING = [
+    (re.compile(r"\b(device|dtype|gemm)='([^']*)'"), lambda m: f"--{m.group(1)} {m.group(2)}"),
+    (re.compile(r"^(device|dtype|gemm) '([^']*)'"), lambda m: f"--{m.group(1)} {m.group(2)}"),
+    (re.compile(r"(?<![.\w])max_context\b"), lambda m: "--max-context"),
+    (re.compile(r"(?<![.\w])max_new_tokens\b"), lambda m: "-n"),
+    (re.compile(r"^draft_depth\b"), lambda m: "--depth"),
+    (re.compile(r"^(p_min|sub_vocab|plan_pool)\b"), lambda m: "--" + m.group(1).replace("_", "-")),
+]
+
+
+def user_wording(message: str) -> str:
+    """An engine error in the command line's words: `--device cpu`, not `device='cpu'`."""
+    for pattern, replacement in _WORDING:
+        message = pattern.sub(replacement, message)
+    return message
+
+
+def _apply_threads(a: argparse.Namespace) -> tuple[int, str]:
+    from .threads import apply_cpu_threads
+
+    return apply_cpu_threads(getattr(a, "threads", None))
+
+
 def _load_engine(a: argparse.Namespace):
     from .engine import Engine
 
@@ -150,9 +204,14 @@ def _load_engine(a: argparse.Namespace):
     )
 
 
+def _thread_text(threads: int) -> str:
+    return f"{threads} CPU thread{'s' if threads != 1 else ''}"
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     settings = _settings_from_args(a)
     sampling = _sampling_from_args(a)
+    threads, _ = _apply_threads(a)
     eng = _load_engine(a)
     if a.json:
         res = eng.generate(a.prompt, a.n, settings, sampling=sampling)
@@ -166,7 +225,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     s = last.run
     print(
         f"[{s['generated']} tokens, {s['tokens_per_second']:.1f} t/s, accepted length {s['mean_accepted_length']:.2f}, "
-        f"acceptance {100 * s['acceptance_rate']:.0f}%]",
+        f"acceptance {100 * s['acceptance_rate']:.0f}%, {_thread_text(threads)}]",
         file=sys.stderr,
     )
     return 0
@@ -175,17 +234,28 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import BenchArm, run_bench
 
+    threads, source = _apply_threads(a)
     eng = _load_engine(a)
-    base = _settings_from_args(a)
+    # Arm A: --profile (a saved profile or knobs on top of the defaults), else the shipped
+    # control; knob flags given on the command line change it.
+    name, first = parse_arm(a.profile or "control", eng.cfg.vocab_size, EngineSettings())
+    flags = _knob_changes(a)
+    if flags:
+        changed = first.replace(**flags)
+        if changed != first:
+            name = f"{name} + " + ",".join(f"{k}={new}" for k, (_, new) in first.diff(changed).items())
+            first = changed
     sampling = _sampling_from_args(a)
     if a.profile:
-        name, first = parse_arm(a.profile, eng.cfg.vocab_size, base)
         sampling = parse_arm_sampling(a.profile, sampling)
-    else:
-        name, first = "A (flags)", base
     arms = [BenchArm(name, first, sampling)]
     if a.vs:
         vs_name, second = parse_arm(a.vs, eng.cfg.vocab_size, first)
+        if second == first and parse_arm_sampling(a.vs, sampling) == sampling:
+            print(
+                f"specdeck: note: {vs_name!r} has the same settings as {name!r}; the two arms measure the same thing",
+                file=sys.stderr,
+            )
         vs_sampling = parse_arm_sampling(a.vs, sampling)
         arms.append(BenchArm(vs_name if vs_name != name else vs_name + " (B)", second, vs_sampling))
     workloads = [w.strip() for w in a.workloads.split(",")] if a.workloads else None
@@ -193,7 +263,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     def progress(done: int, total: int, msg: str) -> None:
         print(f"[{done}/{total}] {msg}", file=sys.stderr)
 
+    print(f"[{_thread_text(threads)} ({source})]", file=sys.stderr)
     report = run_bench(eng, arms, workloads, rounds=a.rounds, max_new_tokens=a.n, progress=progress)
+    report.meta["cpu_threads_source"] = source
     print(report.format_tables())
     if a.json:
         Path(a.json).write_text(report.to_json(), encoding="utf-8")
@@ -205,7 +277,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_screenshot(a: argparse.Namespace) -> int:
     from app.main import screenshot
 
-    screenshot(a.path, model=a.model, tokens=a.n)
+    _apply_threads(a)
+    size = _size(a.size)
+    screenshot(a.path, model=a.model, tokens=a.n, size=size, theme=a.theme, quiet=True)
     print(a.path)
     return 0
 
@@ -223,13 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print tokens, text and stats as JSON")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="A/B benchmark on the fixed workloads (the seed's tables)")
+    b = sub.add_parser(
+        "bench",
+        help="A/B benchmark on the fixed workloads (llama.cpp PR #27173 table format), with the spread of its rounds",
+    )
     _add_model_args(b)
-    _add_knob_args(b)
-    b.add_argument("--profile", help="arm A: a saved profile (name or path) or 'key=value,...'")
-    b.add_argument("--vs", help="arm B: a saved profile or 'key=value,...' changes to arm A")
+    _add_knob_args(b, on_top_of="--profile")
+    b.add_argument(
+        "--profile",
+        help="arm A: a profile (display name, file name or .toml path) or 'key=value,...' (default: control); "
+        "knob flags change it",
+    )
+    b.add_argument("--vs", help="arm B: a profile, or 'key=value,...' changes to arm A (e.g. chain=on)")
     b.add_argument("--workloads", help="comma list (default: code_gen,code_edit,code_echo,prose)")
-    b.add_argument("--rounds", type=int, default=2)
+    b.add_argument("--rounds", type=int, default=3, help="repeats; their spread decides 'no clear difference'")
     b.add_argument("-n", type=int, default=128, help="new tokens per run")
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--csv", help="write the rows as CSV here")
@@ -239,12 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--model")
     s.add_argument("-n", type=int, default=48)
+    s.add_argument("--size", default="1440x900", help="window size WIDTHxHEIGHT (default 1440x900)")
+    s.add_argument("--theme", choices=["system", "light", "dark"], default="light")
+    _add_threads_arg(s)
     s.set_defaults(func=cmd_screenshot)
 
     w = sub.add_parser("gui", help="open the window (the default)")
     w.add_argument("--model")
+    _add_threads_arg(w)
     w.set_defaults(func=None)
     return p
+
+
+def _size(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not match:
+        raise ValueError(f"--size must be WIDTHxHEIGHT, e.g. 1280x800, got {text!r}")
+    return int(match.group(1)), int(match.group(2))
 
 
 def gui_main() -> int:
@@ -265,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return a.func(a)
     except (EngineError, ValueError, OSError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        print(f"specdeck: error: {msg}", file=sys.stderr)
+        print(f"specdeck: error: {user_wording(msg)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -528,12 +528,45 @@ class ProfileStore:
                 return profile
         return None
 
+    def find_by_name_or_file(self, text: str) -> Profile | None:
+        """A profile by its display name ('best known') or its file name ('best-known' or
+        'best-known.toml'); the display name wins when both could match."""
+        profile = self.find(text)
+        if profile is not None:
+            return profile
+        key = text.strip().casefold()
+        stem = key[:-5] if key.endswith(".toml") else key
+        profiles = self.list()[0]
+        for candidate in reversed(profiles):  # user files first, as they shadow shipped ones
+            if candidate.path is not None and candidate.path.stem.casefold() == stem:
+                return candidate
+        return None
+
     def get(self, name: str) -> Profile:
-        profile = self.find(name)
+        profile = self.find_by_name_or_file(name)
         if profile is None:
+            skipped = self.skip_reason(name)
+            if skipped is not None:
+                raise ProfileError(f"profile {name!r} was skipped because of a bad value: {skipped}")
             known = ", ".join(self.names()) or "none"
             raise ProfileError(f"no profile named {name!r} (profiles: {known})")
         return profile
+
+    def skip_reason(self, name: str) -> ProfileProblem | None:
+        """The problem of the skipped file that is this name (by file name, or by the name written
+        in it), or None when no skipped file matches."""
+        key = name.strip().casefold()
+        stem = key[:-5] if key.endswith(".toml") else key
+        for problem in self.list()[1]:
+            if problem.path.stem.casefold() in (stem, file_name_for(name)[:-5]):
+                return problem
+            try:
+                written = tomllib.loads(problem.path.read_text(encoding="utf-8")).get("name")
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+                continue
+            if isinstance(written, str) and written.strip().casefold() == key:
+                return problem
+        return None
 
     def _user_profile(self, name: str) -> Profile:
         profile = self.get(name)
@@ -642,9 +675,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> Profile:
     """A profile by name (user ones, then shipped ones) or by the path of a .toml file."""
     text = os.fspath(name_or_path)
     path = Path(text)
-    if text.endswith(".toml") or os.sep in text or path.is_file():
+    if os.sep in text or path.is_file():
         return read_profile_file(path)
-    return ProfileStore().get(text)
+    return ProfileStore().get(text)  # a display name, or a file name with or without .toml
 
 
 def list_profiles() -> tuple[list[Profile], list[ProfileProblem]]:

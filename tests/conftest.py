@@ -1,15 +1,81 @@
-"""Shared fixtures: tiny random models (written once per test session), GPU marker handling."""
+"""Shared fixtures: tiny random models (written once per test session), GPU marker handling, and
+a test session that never touches the user's own settings.
+
+Before anything imports the app or engine.profiles, every place SpecDeck (and Qt) keeps settings
+is pointed into a temp dir for the whole session: SPECDECK_CONFIG_DIR, XDG_CONFIG_HOME (platformdirs
+and Qt's native settings on Linux) and QSettings' paths. An audit hook records any file this
+process writes, renames or creates under the user's real config dir; the session fails if there
+is one (see pytest_sessionfinish).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+
+def _real_config_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_config_dir("specdeck")).resolve()
+
+
+REAL_CONFIG_DIR = _real_config_dir()  # resolved before the environment below changes it
+TEST_ROOT = Path(tempfile.mkdtemp(prefix="specdeck-tests-")).resolve()
+os.environ["SPECDECK_CONFIG_DIR"] = str(TEST_ROOT / "config")
+os.environ["XDG_CONFIG_HOME"] = str(TEST_ROOT / "xdg-config")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+WRITES_TO_REAL_CONFIG: list[str] = []
+_REAL_PREFIX = str(REAL_CONFIG_DIR)
+_WRITE_EVENTS = {"os.rename", "os.replace", "os.mkdir", "os.remove", "os.rmdir", "shutil.copyfile", "shutil.move"}
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open":
+        path, mode, flags = args[0], args[1], args[2]
+        writing = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
+        paths = [path] if writing else []
+    elif event in _WRITE_EVENTS:
+        paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+    else:
+        return
+    for path in paths:
+        try:
+            text = os.fsdecode(os.fspath(path)) if not isinstance(path, int) else ""
+        except TypeError:
+            continue
+        if text and os.path.abspath(text).startswith(_REAL_PREFIX):
+            WRITES_TO_REAL_CONFIG.append(f"{event} {text}")
+
+
+sys.addaudithook(_audit)
+
+try:  # Qt's own settings files (QSettings without a path) go to the temp dir too
+    from PySide6.QtCore import QSettings
+
+    for _format in (QSettings.Format.IniFormat, QSettings.Format.NativeFormat):
+        QSettings.setPath(_format, QSettings.Scope.UserScope, str(TEST_ROOT / "qsettings"))
+except ImportError:
+    pass
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if WRITES_TO_REAL_CONFIG:
+        sys.stderr.write(
+            f"\nFAILED: the test suite wrote under the user's real config dir {REAL_CONFIG_DIR}:\n  "
+            + "\n  ".join(sorted(set(WRITES_TO_REAL_CONFIG)))
+            + "\n"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 from tiny_models import write_tiny_model  # noqa: E402
 

@@ -58,6 +58,10 @@ def make_window(qtbot, app_config, tiny_model_dir):
     yield make
     for window in windows:
         window.shutdown()
+    from app import theme
+
+    if theme.current_mode != "system":  # a test that switched themes leaves the next one as it was
+        theme.apply_theme("system")
 
 
 @pytest.fixture

@@ -19,6 +19,10 @@ from conftest_app import (  # noqa: F401 (fixtures)
     window,
 )
 
+from engine.profiles import SHIPPED_PROFILES_DIR, read_profile_file
+
+SHIPPED_NAMES = sorted((read_profile_file(f).name for f in SHIPPED_PROFILES_DIR.glob("*.toml")), key=str.casefold)
+
 
 def answer(monkeypatch, tab, **answers):
     """Answer the tab's dialogs for the user."""
@@ -68,16 +72,16 @@ def test_save_apply_rename_duplicate_delete(qtbot, window, monkeypatch):
 
 def test_export_then_import(qtbot, window, monkeypatch, tmp_path):
     tab = window.profiles_tab
-    tab.select("chain")
-    target = tmp_path / "shared" / "chain-for-a-friend.toml"
+    tab.select("best known")
+    target = tmp_path / "shared" / "best-for-a-friend.toml"
     target.parent.mkdir()
     answer(monkeypatch, tab, ask_save_path=str(target), ask_open_path=str(target))
     tab.export_button.click()
-    assert tomllib.loads(target.read_text())["name"] == "chain"
+    assert tomllib.loads(target.read_text())["name"] == "best known"
     tab.import_button.click()
-    imported = window.store.get("chain 2")  # "chain" was taken
+    imported = window.store.get("best known 2")  # "best known" was taken
     assert not imported.shipped and imported.sub_vocab_fraction == pytest.approx(0.215671)
-    assert tab.selected().name == "chain 2"
+    assert tab.selected().name == "best known 2"
 
 
 def test_a_corrupt_profile_file_is_listed_and_skipped(qtbot, make_window, app_config, monkeypatch, tmp_path):
@@ -92,7 +96,7 @@ def test_a_corrupt_profile_file_is_listed_and_skipped(qtbot, make_window, app_co
     text = tab.problems_label.text()
     assert "broken.toml" in text and "corrupt" in text
     assert "future.toml" in text and "newer SpecDeck" in text
-    assert [p.name for p in tab.profiles] == ["chain", "control"]  # the good ones still load
+    assert [p.name for p in tab.profiles] == SHIPPED_NAMES  # the good ones still load
 
     # Importing a broken file: an error message naming the file, nothing added, no crash.
     errors = []
@@ -100,11 +104,11 @@ def test_a_corrupt_profile_file_is_listed_and_skipped(qtbot, make_window, app_co
     answer(monkeypatch, tab, ask_open_path=str(profiles_dir / "broken.toml"))
     tab.import_button.click()
     assert errors and "broken.toml" in errors[0]
-    assert [p.name for p in tab.profiles] == ["chain", "control"]
+    assert [p.name for p in tab.profiles] == SHIPPED_NAMES
 
 
 def test_a_profile_with_a_vocabulary_fraction_is_scaled_to_the_loaded_model(qtbot, window):
-    window.apply_profile(window.store.get("chain"))
+    window.apply_profile(window.store.get("best known"))
     start_run(qtbot, window, repeat=False, tokens=6)
     vocab = window.model_info["vocab_size"]
     wait_for_settings(qtbot, window, sub_vocab=round(0.215671 * vocab))

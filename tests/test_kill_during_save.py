@@ -64,10 +64,14 @@ def test_kill_minus_nine_during_saves_leaves_a_whole_file(tmp_path):
         assert p.notes.endswith("</" + head[1:])  # one whole version, not a mix
         assert p.settings.draft_depth == 1 + int(head[1:-1]) % 16
         seen_versions.add(head)
+        previous = os.environ.get("SPECDECK_CONFIG_DIR")
         os.environ["SPECDECK_CONFIG_DIR"] = env["SPECDECK_CONFIG_DIR"]
         try:
             settings, problem = load_last_used()
-        finally:
-            del os.environ["SPECDECK_CONFIG_DIR"]
+        finally:  # back to the session's temp dir (conftest), never to the user's own
+            if previous is None:
+                del os.environ["SPECDECK_CONFIG_DIR"]
+            else:
+                os.environ["SPECDECK_CONFIG_DIR"] = previous
         assert problem is None
     assert len(seen_versions) >= 2  # the kills landed at different points of the write loop

@@ -42,20 +42,24 @@ def store(config_dir) -> ProfileStore:
     return ProfileStore()
 
 
+SHIPPED_NAMES = sorted((P.read_profile_file(f).name for f in P.SHIPPED_PROFILES_DIR.glob("*.toml")), key=str.casefold)
+
+
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
 
 
-def test_shipped_profiles_are_the_seeds_control_and_chain(store):
-    control, chain = store.get("control"), store.get("chain")
-    assert control.shipped and chain.shipped
+def test_shipped_profiles_are_the_control_and_one_knob_changes(store):
+    control, chain, best = store.get("control"), store.get("chain"), store.get("best known")
+    assert control.shipped and chain.shipped and best.shipped
     assert control.settings == EngineSettings(draft_depth=3, chain=False, mirror_output=False, plan_pool=1)
-    assert (chain.settings.draft_depth, chain.settings.chain, chain.settings.plan_pool) == (5, True, 8)
-    # sub-vocab follows the model: the seed's 32k of Qwen's 151,936 ids, scaled to each vocabulary.
-    assert chain.settings_for(151_936).sub_vocab == 32_768
-    assert chain.settings_for(320).sub_vocab == round(0.215671 * 320)
+    assert control.settings.diff(chain.settings) == {"chain": (False, True)}
+    assert (best.settings.draft_depth, best.settings.chain, best.settings.plan_pool) == (5, True, 8)
+    # sub-vocab follows the model: 32k of Qwen's 151,936 ids, scaled to each vocabulary.
+    assert best.settings_for(151_936).sub_vocab == 32_768
+    assert best.settings_for(320).sub_vocab == round(0.215671 * 320)
     assert control.settings_for(320).sub_vocab == 0
 
 
@@ -167,7 +171,7 @@ def test_shipped_profiles_are_read_only_but_can_be_duplicated(store):
         store.delete("control")
     with pytest.raises(ProfileError, match="shipped"):
         store.rename("chain", "x")
-    copy = store.duplicate("chain", "my chain")
+    copy = store.duplicate("best known", "my best")
     assert copy.sub_vocab_fraction == pytest.approx(0.215671)
     # A user profile of the same name shadows the shipped one.
     store.save(Profile(name="control", settings=EngineSettings(draft_depth=2)))
@@ -178,7 +182,7 @@ def test_import_of_a_bad_file_names_the_file_and_field(store, tmp_path):
     bad = write(tmp_path / "theirs.toml", GOOD.replace("p_min = 0.1", "p_min = 3"))
     with pytest.raises(ProfileError, match=r"theirs.toml: settings.p_min must be a number in 0..1"):
         store.import_file(bad)
-    assert store.names() == ["chain", "control"]
+    assert store.names() == SHIPPED_NAMES
 
 
 def test_load_profile_by_name_or_path_for_the_cli(store, tmp_path):
