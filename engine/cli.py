@@ -1,4 +1,4 @@
-"""`specdeck` command line: the window (bare), generate, bench, screenshot, --version.
+"""`specdeck` command line: the window (bare), generate, bench, tune, screenshot, --version.
 
 Every subcommand goes through the engine's public API. Errors the user can act on print one line
 (`specdeck: error: ...`) and exit with status 2, never a traceback.
@@ -17,10 +17,26 @@ from .errors import EngineError
 from .sampling import SamplingParams
 from .settings import EngineSettings
 
+
+def depth_value(text: str) -> int | str:
+    """A draft depth on the command line: an integer, or "auto" (the engine picks it every round)."""
+    text = str(text).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"draft_depth must be an integer in 1..16 or 'auto', got {text!r}") from None
+
+
+depth_value.__name__ = "depth"
+
 KNOB_KEYS = {
     "speculative": bool,
-    "draft_depth": int,
-    "depth": int,
+    "draft_depth": depth_value,
+    "depth": depth_value,
+    "max_draft_depth": int,
+    "max_depth": int,
     "p_min": float,
     "chain": bool,
     "sub_vocab": int,
@@ -96,7 +112,13 @@ def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> 
         return argparse.SUPPRESS if on_top_of else value
 
     p.add_argument("--no-spec", action="store_true", default=default(False), help="plain greedy decoding (no drafting)")
-    p.add_argument("--depth", type=int, default=default(d.draft_depth), help="draft depth 1..16")
+    p.add_argument(
+        "--depth",
+        type=depth_value,
+        default=default(d.draft_depth),
+        help="draft depth 1..16, or auto (chosen every round from the measured acceptance and cost)",
+    )
+    p.add_argument("--max-depth", type=int, default=default(d.max_draft_depth), help="the deepest --depth auto may go")
     p.add_argument("--p-min", type=float, default=default(d.p_min), help="stop drafting below this draft probability")
     p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=default(d.chain), help="chained drafting")
     p.add_argument("--sub-vocab", type=int, default=default(d.sub_vocab), help="draft over the first N ids (0 = all)")
@@ -113,6 +135,7 @@ def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> 
 _FLAG_FOR_FIELD = {
     "no_spec": ("speculative", lambda v: not v),
     "depth": ("draft_depth", None),
+    "max_depth": ("max_draft_depth", None),
     "p_min": ("p_min", None),
     "chain": ("chain", None),
     "sub_vocab": ("sub_vocab", None),
@@ -148,7 +171,7 @@ def parse_arm(spec: str, vocab_size: int, base: EngineSettings) -> tuple[str, En
                 known = ", ".join(sorted(KNOB_KEYS | SAMPLING_KEYS.keys()))
                 raise ValueError(f"unknown knob {key!r} in {spec!r}; known: {known}")
             kind = KNOB_KEYS[key]
-            key = "draft_depth" if key == "depth" else key
+            key = {"depth": "draft_depth", "max_depth": "max_draft_depth"}.get(key, key)
             v = value.strip().lower()
             if kind is bool:
                 if v not in ("1", "0", "on", "off", "true", "false", "yes", "no"):
@@ -274,6 +297,34 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(a: argparse.Namespace) -> int:
+    """Staged autotune: search, confirm the best three beside the baseline, report with the spread,
+    save the winner as a profile (figures + hardware)."""
+    from .profiles import ProfileStore
+    from .tune import run_tune, winner_profile
+
+    threads, source = _apply_threads(a)
+    eng = _load_engine(a)
+    _, baseline = parse_arm(a.profile or "control", eng.cfg.vocab_size, EngineSettings())
+    workloads = [w.strip() for w in a.workloads.split(",")] if a.workloads else None
+    print(f"[{_thread_text(threads)} ({source}); budget {a.budget_s:g} s]", file=sys.stderr)
+
+    def progress(fraction: float, message: str, _cell) -> None:
+        print(f"[{100 * fraction:3.0f}%] {message}", file=sys.stderr)
+
+    try:
+        report = run_tune(eng, baseline, workloads, a.budget_s, a.n, progress=progress)
+    except KeyboardInterrupt:
+        print("specdeck: tune interrupted", file=sys.stderr)
+        return 130
+    print(report.format())
+    if a.save:
+        store = ProfileStore()
+        profile = store.save(winner_profile(report, store.unique_name(a.save), eng.info.get("name", "")))
+        print(f"saved the winner as the profile {profile.name!r} ({profile.path})")
+    return 0
+
+
 def cmd_screenshot(a: argparse.Namespace) -> int:
     from app.main import screenshot
 
@@ -315,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--csv", help="write the rows as CSV here")
     b.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("tune", help="staged autotune: find the fastest settings here, report them with their spread")
+    _add_model_args(t)
+    t.add_argument("--profile", help="the baseline (a profile or 'key=value,...'; default: control)")
+    t.add_argument("--workloads", help="comma list (default: code_gen,code_edit,code_echo,prose)")
+    t.add_argument("--budget-s", type=float, default=120.0, help="wall time for the whole tune (default 120)")
+    t.add_argument("-n", type=int, default=64, help="new tokens per run")
+    t.add_argument("--save", metavar="NAME", help="save the winner as a profile of this name")
+    t.set_defaults(func=cmd_tune)
 
     s = sub.add_parser("screenshot", help="render the window offscreen after a short run, save a PNG")
     s.add_argument("path")

@@ -4,6 +4,8 @@ repeats beside the baseline, keeps finished cells when cancelled, and saves the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine import EngineSettings
@@ -106,3 +108,26 @@ def test_a_real_clock_tune_ends_near_its_budget(tiny_engine):
     assert report.elapsed_s < 3.0 + 2.0  # the budget plus at most one short pass on a slow machine
     assert report.baseline.runs and report.winner.runs
     assert report.verdict()
+
+
+def test_specdeck_tune_on_the_command_line_reports_and_saves_the_winner(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    from engine.cli import main
+
+    monkeypatch.setenv("SPECDECK_CONFIG_DIR", str(tmp_path / "config"))
+    args = ["tune", "--model", str(tiny_model_dir), "--budget-s", "3", "-n", "8", "--workloads", "code_gen"]
+    assert main([*args, "--save", "mine"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and ("beats the baseline" in out or "no clear difference" in out or "best found" in out)
+    saved = ProfileStore(tmp_path / "config" / "profiles", shipped_dir=None).get("mine")
+    assert saved.bench["source"] == "tune"
+
+
+def test_depth_auto_on_the_command_line(tiny_model_dir, capsys):
+    from engine.cli import main
+
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "def main", "-n", "12", "--json"]
+    assert main([*args, "--depth", "auto", "--max-depth", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["generated"] == 12
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--depth", "deep"])
+    assert exit_.value.code == 2 and "--depth" in capsys.readouterr().err
