@@ -40,7 +40,10 @@ KNOB_HELP = {
     "speculative": "Draft with the MTP head and let the target verify several tokens per round. "
     "Off: plain greedy decoding, one target token per round (the baseline).",
     "draft_depth": f"Tokens drafted per round (1–{MAX_DRAFT_DEPTH}). Deeper drafts pay off while "
-    "acceptance stays high.",
+    "acceptance stays high. Auto: the engine picks the depth of every round from the acceptance "
+    "it measures at each draft position and the time a round takes at each depth (the Live tab "
+    "plots the depth it chose and the expected tokens/s per depth it decided from).",
+    "max_draft_depth": f"With Auto: the deepest the engine may draft (1–{MAX_DRAFT_DEPTH}).",
     "p_min": "Stop drafting once the draft's probability of its pick falls below this "
     "(0 = always draft the full depth).",
     "chain": "All draft steps in one submission with the pick made on the device, returning only "
@@ -95,6 +98,10 @@ class KnobPanel(QGroupBox):
         self.speculative = QCheckBox("Speculative decoding")
         self.draft_depth = QSpinBox()
         self.draft_depth.setRange(1, MAX_DRAFT_DEPTH)
+        self.depth_auto = QCheckBox("Auto")
+        self.max_draft_depth = QSpinBox()
+        self.max_draft_depth.setRange(1, MAX_DRAFT_DEPTH)
+        self.max_draft_depth.setPrefix("up to ")
         self.p_min = QDoubleSpinBox()
         self.p_min.setRange(0.0, 1.0)
         self.p_min.setSingleStep(0.05)
@@ -110,12 +117,13 @@ class KnobPanel(QGroupBox):
         self.plan_pool = QSpinBox()
         self.plan_pool.setRange(0, MAX_PLAN_POOL)
         # Apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16").
-        for spin in (self.draft_depth, self.p_min, self.sub_vocab, self.plan_pool):
+        for spin in (self.draft_depth, self.p_min, self.sub_vocab, self.plan_pool, self.max_draft_depth):
             spin.setKeyboardTracking(False)
 
         self.widgets: dict[str, QWidget] = {
             "speculative": self.speculative,
             "draft_depth": self.draft_depth,
+            "max_draft_depth": self.max_draft_depth,
             "p_min": self.p_min,
             "chain": self.chain,
             "sub_vocab": self.sub_vocab,
@@ -124,7 +132,11 @@ class KnobPanel(QGroupBox):
         }
         form = QFormLayout(self)
         form.addRow(self.speculative)
-        form.addRow("Draft depth", self.draft_depth)
+        depth_row = QHBoxLayout()
+        depth_row.addWidget(self.draft_depth, 1)
+        depth_row.addWidget(self.depth_auto)
+        depth_row.addWidget(self.max_draft_depth, 1)
+        form.addRow("Draft depth", depth_row)
         form.addRow("p_min", self.p_min)
         form.addRow(self.chain)
         sub_vocab_row = QHBoxLayout()
@@ -144,9 +156,9 @@ class KnobPanel(QGroupBox):
 
         self._updating = False
         self.set_settings(EngineSettings())
-        for checkbox in (self.speculative, self.chain, self.mirror_output):
+        for checkbox in (self.speculative, self.chain, self.mirror_output, self.depth_auto):
             checkbox.toggled.connect(self._on_user_change)
-        for spin in (self.draft_depth, self.sub_vocab, self.plan_pool):
+        for spin in (self.draft_depth, self.sub_vocab, self.plan_pool, self.max_draft_depth):
             spin.valueChanged.connect(self._on_user_change)
         self.p_min.valueChanged.connect(self._on_user_change)
 
@@ -157,7 +169,8 @@ class KnobPanel(QGroupBox):
     def settings(self) -> EngineSettings:
         return EngineSettings(
             speculative=self.speculative.isChecked(),
-            draft_depth=self.draft_depth.value(),
+            draft_depth="auto" if self.depth_auto.isChecked() else self.draft_depth.value(),
+            max_draft_depth=self.max_draft_depth.value(),
             p_min=round(self.p_min.value(), 4),
             chain=self.chain.isChecked(),
             sub_vocab=self.sub_vocab.value(),
@@ -170,7 +183,10 @@ class KnobPanel(QGroupBox):
         self._updating = True
         try:
             self.speculative.setChecked(settings.speculative)
-            self.draft_depth.setValue(settings.draft_depth)
+            self.depth_auto.setChecked(settings.adaptive)
+            if not settings.adaptive:
+                self.draft_depth.setValue(settings.draft_depth)
+            self.max_draft_depth.setValue(settings.max_draft_depth)
             self.p_min.setValue(settings.p_min)
             self.chain.setChecked(settings.chain)
             self.sub_vocab.setValue(settings.sub_vocab)
@@ -212,10 +228,15 @@ class KnobPanel(QGroupBox):
         reasons: dict[str, str] = {}
         on_cpu = self._device == "cpu"
         if not self.speculative.isChecked():
-            for name in ("draft_depth", "p_min", "chain", "sub_vocab"):
+            for name in ("draft_depth", "max_draft_depth", "p_min", "chain", "sub_vocab"):
                 reasons[name] = "Speculative decoding is off: nothing is drafted."
-        elif not self.chain.isChecked():
-            reasons["sub_vocab"] = "Sub-vocab applies to the chained draft only: turn Chain on to use it."
+        else:
+            if self.depth_auto.isChecked():
+                reasons["draft_depth"] = "Auto: the engine chooses the depth of every round (up to the limit beside)."
+            else:
+                reasons["max_draft_depth"] = "Acts only with Auto on: the deepest the engine may choose."
+            if not self.chain.isChecked():
+                reasons["sub_vocab"] = "Sub-vocab applies to the chained draft only: turn Chain on to use it."
         if on_cpu:
             reasons["mirror_output"] = (
                 "Running on the CPU: one device, which already holds the "
@@ -230,6 +251,8 @@ class KnobPanel(QGroupBox):
 
     def _refresh_availability(self) -> None:
         reasons = self.disabled_reasons()
+        self.depth_auto.setEnabled(self.speculative.isChecked())
+        self.depth_auto.setToolTip(KNOB_HELP["draft_depth"])
         for name, widget in self.widgets.items():
             reason = reasons.get(name)
             widget.setEnabled(reason is None)

@@ -91,6 +91,7 @@ OVERLAY_COLOR = "#888888"
 KNOB_LABELS = {
     "speculative": "speculative",
     "draft_depth": "depth",
+    "max_draft_depth": "max depth",
     "p_min": "p_min",
     "chain": "chain",
     "sub_vocab": "sub-vocab",
@@ -201,8 +202,9 @@ def settings_summary(settings: Any) -> str:
     """One-line description of a whole EngineSettings: for CSV rows and the bar chart legend."""
     if not settings.speculative:
         return "speculative off"
+    depth = f"auto ≤{settings.max_draft_depth}" if settings.adaptive else settings.draft_depth
     return (
-        f"depth {settings.draft_depth}, p_min {settings.p_min:g}, "
+        f"depth {depth}, p_min {settings.p_min:g}, "
         f"chain {'on' if settings.chain else 'off'}, sub-vocab {settings.sub_vocab or 'all'}, "
         f"mirror {'on' if settings.mirror_output else 'off'}, pool {settings.plan_pool}"
     )
@@ -264,6 +266,7 @@ class RunPlots(QWidget):
         "acceptance_rate_smoothed",
         "accepted_length",
         "accepted_length_smoothed",
+        "depth",
         "time_draft_ms",
         "time_verify_ms",
         "time_accept_ms",
@@ -382,14 +385,20 @@ class RunPlots(QWidget):
             row=1,
             col=1,
             title=_title(
-                "Accepted length (tokens/round)", [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round")]
+                "Accepted length (tokens/round)",
+                [("#fdd0a2", "per round"), (SERIES_COLORS[1], f"{w}-round"), ("#756bb1", "depth drafted")],
             ),
         )
         self.position_plot = g.addPlot(
             row=2,
             col=0,
             title=_title(
-                "Acceptance by draft position", [(SERIES_COLORS[2], "since last change"), ("#999", "before (outline)")]
+                "Acceptance by draft position",
+                [
+                    (SERIES_COLORS[2], "since last change"),
+                    ("#999", "before (outline)"),
+                    ("#756bb1", "auto: expected tok/s by depth"),
+                ],
             ),
         )
         self.memory_plot = g.addPlot(row=2, col=1, title=self._memory_title(with_gpus=False))
@@ -429,6 +438,8 @@ class RunPlots(QWidget):
         self.acceptance_smooth_curve = self.acceptance_plot.plot(pen=pg.mkPen(SERIES_COLORS[2], width=2))
         self.length_raw_curve = self.length_plot.plot(pen=pg.mkPen("#fdd0a2", width=1))
         self.length_smooth_curve = self.length_plot.plot(pen=pg.mkPen(SERIES_COLORS[1], width=2))
+        # The depth each round drafted at (with draft_depth "auto": the controller's choice, round by round).
+        self.depth_curve = self.length_plot.plot(pen=pg.mkPen("#756bb1", width=1, style=Qt.PenStyle.DashLine))
         # Stacked areas: each curve is the running sum up to its component, filled down to zero,
         # drawn top component first so the lower ones paint over it.
         self.time_split_curves = []
@@ -445,6 +456,13 @@ class RunPlots(QWidget):
         self.position_bars = pg.BarGraphItem(x=[], height=[], width=0.5, brush=pg.mkBrush(SERIES_COLORS[2]))
         self.position_plot.addItem(self.position_bars_previous)
         self.position_plot.addItem(self.position_bars)
+        # With draft_depth "auto": the expected tokens/s at each depth the controller decided from,
+        # scaled so that its best depth is 1 (the depth d sits over its deepest position, d - 1).
+        self.gain_curve = self.position_plot.plot(
+            pen=pg.mkPen("#756bb1", width=2), symbol="o", symbolSize=6, symbolBrush="#756bb1"
+        )
+        self.adaptive: dict | None = None
+        self.engine_memory_by_device: dict[str, int] = {}
         self._position_label = ""
         self.memory_used_curves: dict[int, pg.PlotDataItem] = {}
         self.memory_total_curves: dict[int, pg.PlotDataItem] = {}
@@ -493,6 +511,12 @@ class RunPlots(QWidget):
         memory = (ev.run or {}).get("memory") if isinstance(ev.run, dict) else None
         if memory:
             self._engine_memory = dict(memory)
+        by_device = (ev.run or {}).get("memory_by_device") if isinstance(ev.run, dict) else None
+        if by_device:
+            self.engine_memory_by_device = {
+                d: sum(v.get(k, 0) for k in MEMORY_COMPONENTS) for d, v in by_device.items()
+            }
+        self.adaptive = getattr(ev, "adaptive", None)
         row = {
             "time_s": t,
             "run": update.run_id,
@@ -506,6 +530,7 @@ class RunPlots(QWidget):
             "acceptance_rate_smoothed": w_accepted / w_drafted if w_drafted else None,
             "accepted_length": n_tokens,
             "accepted_length_smoothed": w_tokens / len(self._window),
+            "depth": float(getattr(ev, "depth", 0) or 0),
             "time_draft_ms": split_ms[0],
             "time_verify_ms": split_ms[1],
             "time_accept_ms": split_ms[2],
@@ -807,6 +832,7 @@ class RunPlots(QWidget):
         self.acceptance_smooth_curve.setData(t, r["acceptance_rate_smoothed"], connect="finite")
         self.length_raw_curve.setData(t, r["accepted_length"], connect="finite")
         self.length_smooth_curve.setData(t, r["accepted_length_smoothed"], connect="finite")
+        self.depth_curve.setData(t, r["depth"], connect="finite")
         self._draw_time_split(t, r)
         self._draw_positions()
         self._draw_memory(t, r)
@@ -841,7 +867,12 @@ class RunPlots(QWidget):
             )
         else:
             self.position_bars_previous.setOpts(x=[], height=[], width=0.8)
-        width = max(len(rates), len(self._previous_positions[0]) if self._previous_positions else 0, 1)
+        gains = np.asarray((self.adaptive or {}).get("expected_tokens_per_s") or [], dtype=np.float64)
+        if gains.size and gains.max() > 0:
+            self.gain_curve.setData(np.arange(gains.size, dtype=np.float64), gains / gains.max())
+        else:
+            self.gain_curve.setData([], [])
+        width = max(len(rates), len(self._previous_positions[0]) if self._previous_positions else 0, gains.size, 1)
         self.position_plot.setXRange(-0.6, width - 0.4, padding=0)
         self.position_plot.getAxis("bottom").setTicks([[(i, str(i)) for i in range(width)]])
 
@@ -946,7 +977,12 @@ class RunPlots(QWidget):
                 f"{MEMORY_SHORT_NAMES.get(k, k)} {v / unit:,.1f}" for k, v in self._engine_memory.items() if v
             )
             # A QLabel, not the plot's axis label: changing that would re-layout every plot.
-            self.memory_label.setText(f"Engine memory ({name}): {breakdown}")
+            text = f"Engine memory ({name}): {breakdown}"
+            if len(self.engine_memory_by_device) > 1:  # several GPUs: every rank's own count
+                text += " · per device: " + ", ".join(
+                    f"{device} {value / unit:,.1f}" for device, value in self.engine_memory_by_device.items()
+                )
+            self.memory_label.setText(text)
         finite = np.isfinite(r["time_round_ms"])
         if not finite.any():
             return

@@ -389,6 +389,7 @@ class MainWindow(QMainWindow):
         names = {
             "speculative": "Speculative decoding",
             "draft_depth": "Draft depth",
+            "max_draft_depth": "Draft depth: Auto, up to",
             "p_min": "p_min",
             "chain": "Chain draft steps",
             "sub_vocab": "Sub-vocab",
@@ -529,6 +530,13 @@ class MainWindow(QMainWindow):
             "CPU threads: the usable cores minus one (SPECDECK_CPU_THREADS or specdeck --threads N overrides)"
         )
         self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
+        devices = info.get("devices") or []
+        if len(devices) > 1:
+            self.model_label.setText(self.model_label.text() + f" · split over {len(devices)} devices")
+        note = (info.get("collectives") or {}).get("note") if isinstance(info.get("collectives"), dict) else ""
+        if note:  # a split that cannot pay: said once, where the user looks after a load
+            self.show_message(f"Note: {note}")
+            self.model_label.setToolTip(f"{note}\n\n{self.model_label.toolTip()}")
         self.plots.set_engine_memory(loaded.memory)
         self._update_knob_context()
         # The worker fitted the settings to this model before its first round (sub-vocab scaled
