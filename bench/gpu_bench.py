@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -321,6 +321,36 @@ def section_s(eng: Engine, n: int) -> None:
     say()
 
 
+def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
+    """draft_depth="auto" against every static depth 1..8 (chain on), per workload, side by side."""
+    say("== (auto) adaptive depth vs every static depth 1..8, per workload (bf16, chain on) ==")
+    prompts = {name: w.prompt_for(eng.tokenizer) for name, w in load_workloads().items()}
+    depths: list[int | str] = [*range(1, 9), "auto"]
+    say(f"{'workload':<10} " + " ".join(f"{str(d):>7}" for d in depths) + "   auto vs best static / vs depth 3")
+    means = {d: [] for d in depths}
+    for name, prompt in prompts.items():
+        row = {}
+        for d in depths:
+            settings = EngineSettings(draft_depth=d, max_draft_depth=8, chain=True, plan_pool=16)
+            runs = run_prompts(eng, settings, n, [prompt] * reps, warm_n=n)
+            row[d] = statistics.fmean(r["tokens_per_second"] for r in runs)
+            means[d].append(row[d])
+        best = max(row[d] for d in depths if d != "auto")
+        say(
+            f"{name:<10} "
+            + " ".join(f"{row[d]:7.0f}" for d in depths)
+            + f"   {row['auto'] / best:5.3f} / {row['auto'] / row[3]:5.3f}"
+        )
+    mean = {d: statistics.fmean(v) for d, v in means.items()}
+    best_static = max(mean[d] for d in depths if d != "auto")
+    say(
+        f"{'mean':<10} "
+        + " ".join(f"{mean[d]:7.0f}" for d in depths)
+        + f"   {mean['auto'] / best_static:5.3f} / {mean['auto'] / mean[3]:5.3f}"
+    )
+    say()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -354,6 +384,10 @@ def main() -> int:
         if "s" in sections:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_s(eng, a.n)
+            del eng
+        if "auto" in sections:
+            eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+            section_auto(eng, a.n)
             del eng
     finally:
         save(a.out)
