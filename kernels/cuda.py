@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from . import reference
-from .ops import NAMES as OP_NAMES
 from .reference import Start
+from .registry import NAMES as OP_NAMES
 
 # The chunked (GEMM) form of the delta rule is used only for prefill and stays PyTorch.
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
@@ -42,7 +42,7 @@ except Exception as _e:  # noqa: BLE001 - any import failure means "not availabl
         else f"CuPy failed to import ({type(_e).__name__}: {_e})"
     )
 
-# One function per op of the dispatcher (kernels/ops.py lists them), plus the module's own two.
+# One function per op of the dispatcher (kernels/registry.py lists them), plus the module's own two.
 __all__ = ["available", "warm_up", *OP_NAMES]
 
 _SRC_PATH = Path(__file__).resolve().parent / "cuda_src" / "decode_kernels.cu"

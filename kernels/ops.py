@@ -5,26 +5,7 @@ reference path."""
 from __future__ import annotations
 
 from . import reference
-
-NAMES = (
-    "rmsnorm",
-    "add_rmsnorm",
-    "gated_rmsnorm",
-    "rope_partial",
-    "kv_write",
-    "attn_prep",
-    "silu_mul",
-    "gdn_gates",
-    "attention_cached",
-    "conv_update",
-    "gated_delta_rule",
-    "chunk_gated_delta_rule",
-    "argmax_prob",
-    "greedy_accept",
-    "sample_probs",
-    "sample_token",
-    "spec_accept",
-)
+from .registry import NAMES
 
 rmsnorm = reference.rmsnorm
 add_rmsnorm = reference.add_rmsnorm
