@@ -210,13 +210,6 @@ def _aux(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     return t.float().contiguous(), "f"
 
 
-def _inner_contig(x: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] with rows of H*D contiguous elements (token stride free)."""
-    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
-        return x.contiguous()
-    return x
-
-
 def _norm_threads(d: int) -> int:
     return min(1024, max(32, ((d + 7) // 8 + 31) // 32 * 32))
 
@@ -308,89 +301,6 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         (_p(x2), np.int64(x2.stride(0)), _p(g2), np.int64(g2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
     )
     return y
-
-
-def rope_partial(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() != 3:
-        return reference.rope_partial(x, positions, inv_freq)
-    t, h, d = x.shape
-    half = inv_freq.numel()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    xc = x if x.stride(2) == 1 else x.contiguous()
-    pos = positions.reshape(-1)
-    if pos.device != x.device:
-        pos = pos.to(x.device)
-    if pos.dtype != torch.int64:
-        pos = pos.long()
-    inv = inv_freq.reshape(-1)
-    if inv.device != x.device or inv.dtype != torch.float32:
-        inv = inv.to(device=x.device, dtype=torch.float32)
-    inv = inv.contiguous()
-    n = t * h * d
-    _launch(
-        "rope_partial",
-        x.dtype,
-        x.device,
-        ((n + 255) // 256,),
-        (256,),
-        (
-            _p(xc),
-            np.int64(xc.stride(0)),
-            np.int64(xc.stride(1)),
-            _p(pos),
-            _p(inv),
-            _p(y),
-            np.int32(t),
-            np.int32(h),
-            np.int32(d),
-            np.int32(half),
-        ),
-    )
-    return y
-
-
-def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-    if (
-        not _cuda_ok(k_cache, v_cache, k, v)
-        or k_cache.dtype not in _KIND
-        or not (k_cache.dtype == v_cache.dtype == k.dtype == v.dtype)
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or k_cache.shape != v_cache.shape
-        or k.shape != v.shape
-        or k.dim() != 3
-        or k.shape[1:] != k_cache.shape[1:]
-    ):
-        return reference.kv_write(k_cache, v_cache, k, v, start)
-    t = k.shape[0]
-    row = k_cache[0].numel()
-    if t == 0 or row == 0:
-        return None
-    kc, vc = _inner_contig(k), _inner_contig(v)
-    sp, sv = _start_args(start, k.device)
-    n = t * row
-    _launch(
-        "kv_write",
-        k.dtype,
-        k.device,
-        ((n + 255) // 256,),
-        (256,),
-        (
-            _p(k_cache),
-            _p(v_cache),
-            _p(kc),
-            np.int64(kc.stride(0)),
-            _p(vc),
-            np.int64(vc.stride(0)),
-            sp,
-            sv,
-            np.int32(t),
-            np.int32(row),
-            np.int64(k_cache.shape[0]),
-        ),
-    )
-    return None
 
 
 _ATT_MAX_SPLITS = 128
@@ -1031,8 +941,6 @@ _KERNELS_PER_DTYPE = (
         "rmsnorm_wf",
         "add_rmsnorm_ws",
         "add_rmsnorm_wf",
-        "rope_partial",
-        "kv_write",
         "attn_combine",
         "attn_combine_par",
         "argmax_partial",
@@ -1086,12 +994,9 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         for ga in (x, x.float()):
             gated_rmsnorm(x, ga, wa, 1e-6)
     start = torch.zeros(1, dtype=torch.int64, device=device)
-    pos = torch.arange(2, device=device)
     for d in (32, 64, 128, 256):
         q = torch.randn(2, 2, d, **kw)
-        rope_partial(q, pos, torch.ones(d // 4, device=device))
         kc, vc = z(256, 1, d, **kw), z(256, 1, d, **kw)  # long enough for split keys + combine
-        kv_write(kc, vc, q[:, :1], q[:, :1], start)
         attention_cached(q, kc, vc, start, d**-0.5)
         attention_cached(q, kc, vc, 0, d**-0.5)
         attention_cached(q, kc, vc, start, d**-0.5, q)

@@ -10,8 +10,6 @@ from .registry import NAMES
 rmsnorm = reference.rmsnorm
 add_rmsnorm = reference.add_rmsnorm
 gated_rmsnorm = reference.gated_rmsnorm
-rope_partial = reference.rope_partial
-kv_write = reference.kv_write
 attn_prep = reference.attn_prep
 silu_mul = reference.silu_mul
 gdn_gates = reference.gdn_gates

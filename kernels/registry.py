@@ -7,8 +7,6 @@ NAMES = (
     "rmsnorm",
     "add_rmsnorm",
     "gated_rmsnorm",
-    "rope_partial",
-    "kv_write",
     "attn_prep",
     "silu_mul",
     "gdn_gates",
