@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import launch_args as la
 from . import reference
 from .reference import Start
 from .registry import NAMES as OP_NAMES
@@ -145,7 +146,9 @@ def _stream(device: torch.device):
 
 def _launch(name: str, dtype: torch.dtype | None, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of the module for `dtype` (None: a dtype-independent kernel, taken from any
-    module already loaded on the device) on PyTorch's current stream."""
+    module already loaded on the device) on PyTorch's current stream. `args`: the kernel's typed builder
+    (kernels/launch_args.py), packed here in the kernel's parameter order."""
+    args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     if dtype is None:
         kind = next((kd for (dv_, kd) in list(_modules) if dv_ == dev), 0)
@@ -173,7 +176,7 @@ def _p(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-_NULL = np.uint64(0)
+_NULL = la.NULL
 
 
 def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64]:
@@ -230,7 +233,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (_p(x2), np.int64(x2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+        la.RmsNormArgs(x=x2, xs=x2.stride(0), w=w, y=y, d=d, eps=eps),
     )
     return y
 
@@ -260,17 +263,7 @@ def add_rmsnorm(
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (
-            _p(x2),
-            np.int64(x2.stride(0)),
-            _p(r2),
-            np.int64(r2.stride(0)),
-            _p(w),
-            _p(y),
-            _p(s),
-            np.int32(d),
-            np.float32(eps),
-        ),
+        la.AddRmsNormArgs(x=x2, xs=x2.stride(0), r=r2, rs=r2.stride(0), w=w, y=y, s=s, d=d, eps=eps),
     )
     return y, s
 
@@ -298,7 +291,7 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (_p(x2), np.int64(x2.stride(0)), _p(g2), np.int64(g2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+        la.GatedRmsNormArgs(x=x2, xs=x2.stride(0), gate=g2, gs=g2.stride(0), w=w, y=y, d=d, eps=eps),
     )
     return y
 
@@ -374,44 +367,26 @@ def attention_cached(
         pa, pm = _p(ws_acc), _p(ws_ml)
     else:
         pa = pm = _NULL
-    if gate is not None:
-        gargs = (_p(gate), np.int64(gate.stride(0)), np.int64(gate.stride(1)))
-    else:
-        gargs = (_NULL, np.int64(0), np.int64(0))
-    head = (_p(qc), np.int64(qc.stride(0)), np.int64(qc.stride(1)), _p(k_cache), _p(v_cache), sp, sv)
+    gates = (
+        {"gate": gate, "gs0": 0, "gs1": 0}
+        if gate is None
+        else {"gate": gate, "gs0": gate.stride(0), "gs1": gate.stride(1)}
+    )
+    common = {"q": qc, "qs0": qc.stride(0), "qs1": qc.stride(1), "kc": k_cache, "vc": v_cache, "start_ptr": sp}
+    common |= {"start_val": sv, "Hq": hq, "Hkv": hkv, "D": d, "max_ctx": max_ctx, "scale": scale}
+    common |= {"ws_acc": pa, "ws_ml": pm, "out": out, **gates}
     if impl == "tile":
-        args = head + (
-            np.int32(t),
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int64(max_ctx),
-            np.float32(scale),
-            np.int32(vec_ok),
-            pa,
-            pm,
-            _p(out),
-            *gargs,
-        )
+        args = la.AttnTileArgs(T=t, vec_ok=vec_ok, **common)
     else:
-        args = head + (
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int64(max_ctx),
-            np.float32(scale),
-            pa,
-            pm,
-            _p(out),
-            *gargs,
-        )
+        args = la.AttnSplitArgs(**common)
     _launch(name, q.dtype, q.device, grid, (128,), args)
     if splits > 1:
         if _ATT_COMBINE == "par":
             name, threads = "attn_combine_par", max(32, -(-max(d, splits) // 32) * 32)
         else:
             name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
-        _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d), *gargs))
+        combine = la.AttnCombineArgs(ws_acc=pa, ws_ml=pm, out=out, S=splits, D=d, **gates)
+        _launch(name, q.dtype, q.device, (hq, t), (threads,), combine)
     return out
 
 
@@ -469,30 +444,30 @@ def attn_prep(
         q.device,
         (hq + hkv, t),
         (_norm_threads(d),),
-        (
-            _p(q),
-            np.int64(q.stride(0)),
-            np.int64(q.stride(1)),
-            _p(k),
-            np.int64(k.stride(0)),
-            np.int64(k.stride(1)),
-            _p(v),
-            np.int64(v.stride(0)),
-            np.int64(v.stride(1)),
-            _p(wq),
-            _p(wk),
-            _p(inv),
-            _p(out),
-            _p(k_cache),
-            _p(v_cache),
-            sp,
-            sv,
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int32(inv.numel()),
-            np.int64(k_cache.shape[0]),
-            np.float32(eps),
+        la.AttnPrepArgs(
+            q=q,
+            qs0=q.stride(0),
+            qs1=q.stride(1),
+            k=k,
+            ks0=k.stride(0),
+            ks1=k.stride(1),
+            v=v,
+            vs0=v.stride(0),
+            vs1=v.stride(1),
+            wq=wq,
+            wk=wk,
+            inv_freq=inv,
+            q_out=out,
+            kc=k_cache,
+            vc=v_cache,
+            sp=sp,
+            sv=sv,
+            Hq=hq,
+            Hkv=hkv,
+            D=d,
+            half=inv.numel(),
+            max_ctx=k_cache.shape[0],
+            eps=eps,
         ),
     )
     return out
@@ -514,7 +489,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         x.device,
         ((n + 255) // 256,),
         (256,),
-        (_p(x2), np.int64(x2.stride(0)), _p(y), np.int32(x2.shape[0]), np.int32(i)),
+        la.SiluMulArgs(x=x2, xs=x2.stride(0), y=y, T=x2.shape[0], I=i),
     )
     return y
 
@@ -545,17 +520,17 @@ def gdn_gates(
         a.device,
         ((t * h + 127) // 128,),
         (128,),
-        (
-            _p(a2),
-            np.int64(a2.stride(0)),
-            _p(b2),
-            np.int64(b2.stride(0)),
-            _p(neg_exp_a.contiguous()),
-            _p(dt_bias.float().contiguous()),
-            _p(g),
-            _p(beta),
-            np.int32(t),
-            np.int32(h),
+        la.GdnGatesArgs(
+            a=a2,
+            as0=a2.stride(0),
+            b=b2,
+            bs0=b2.stride(0),
+            neg_exp_a=neg_exp_a.contiguous(),
+            dt_bias=dt_bias.float().contiguous(),
+            g=g,
+            beta=beta,
+            T=t,
+            H=h,
         ),
     )
     return g, beta
@@ -588,7 +563,7 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         x.device,
         ((c + 127) // 128,),
         (128,),
-        (_p(xc), np.int64(xc.stride(0)), _p(conv_ring), _p(w), _p(y), sp, sv, np.int32(t), np.int32(c), np.int32(n)),
+        la.ConvUpdateArgs(x=xc, xs0=xc.stride(0), ring=conv_ring, w=w, y=y, sp=sp, sv=sv, T=t, C=c, n_planes=n),
     )
     return y
 
@@ -636,31 +611,31 @@ def gated_delta_rule(
         v.device,
         ((dv + 31) // 32, hv),
         (threads,),
-        (
-            _p(qc),
-            np.int64(qc.stride(0)),
-            np.int64(qc.stride(1)),
-            _p(kc),
-            np.int64(kc.stride(0)),
-            np.int64(kc.stride(1)),
-            _p(vc),
-            np.int64(vc.stride(0)),
-            np.int64(vc.stride(1)),
-            _p(gf),
-            np.int64(gf.stride(0)),
-            _p(b),
-            np.int64(b.stride(0)),
-            _p(state_ring),
-            _p(out),
-            sp,
-            sv,
-            np.int32(t),
-            np.int32(hk),
-            np.int32(hv),
-            np.int32(dk),
-            np.int32(dv),
-            np.int32(n),
-            np.float32(dk**-0.5),
+        la.GatedDeltaRuleArgs(
+            q=qc,
+            qs0=qc.stride(0),
+            qs1=qc.stride(1),
+            k=kc,
+            ks0=kc.stride(0),
+            ks1=kc.stride(1),
+            v=vc,
+            vs0=vc.stride(0),
+            vs1=vc.stride(1),
+            g=gf,
+            gs0=gf.stride(0),
+            beta=b,
+            bs0=b.stride(0),
+            ring=state_ring,
+            out=out,
+            sp=sp,
+            sv=sv,
+            T=t,
+            Hk=hk,
+            Hv=hv,
+            dk=dk,
+            dv=dv,
+            n_planes=n,
+            qscale=dk**-0.5,
         ),
     )
     return out
@@ -697,7 +672,9 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
         logits.device,
         (parts, t),
         (_AM_THREADS,),
-        (_p(lg), np.int64(lg.stride(0)), np.int32(n), np.int32(chunk), np.int32(vec_ok), pm, ps, pi, _p(tok), _p(prob)),
+        la.ArgmaxPartialArgs(
+            logits=lg, ls0=lg.stride(0), n=n, chunk=chunk, vec_ok=vec_ok, pm=pm, ps=ps, pi=pi, tok=tok, prob=prob
+        ),
     )
     if parts > 1:
         _launch(
@@ -706,7 +683,7 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
             logits.device,
             (t,),
             (32,),
-            (pm, ps, pi, np.int32(parts), _p(tok), _p(prob)),
+            la.ArgmaxCombineArgs(pm=pm, ps=ps, pi=pi, P=parts, tok=tok, prob=prob),
         )
     return tok, prob
 
@@ -740,7 +717,7 @@ def greedy_accept(
         out.device,
         (1,),
         (32,),
-        (_p(d), _p(pr), _p(tt), np.float64(p_min), _p(cl), _p(out), np.int32(n)),
+        la.GreedyAcceptArgs(drafts=d, probs=pr, target=tt, p_min=p_min, cache_len=cl, out=out, n=n),
     )
     return None
 
@@ -792,6 +769,7 @@ def _sampling_ready(device: torch.device) -> bool:
 
 
 def _launch_sampling(name: str, device: torch.device, grid, args) -> None:
+    args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     fn = _sampling_function(dev, name)
     stream = _stream(device)
@@ -823,16 +801,16 @@ def sample_probs(
         "sample_probs_rows",
         logits.device,
         (t,),
-        (
-            _p(lg),
-            np.int64(lg.stride(0)),
-            np.int32(n),
-            np.float32(temperature),
-            np.int32(top_k),
-            np.float32(top_p),
-            np.float32(min_p),
-            _p(out),
-            np.int64(out.stride(0)),
+        la.SampleProbsArgs(
+            logits=lg,
+            ls0=lg.stride(0),
+            n=n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            out=out,
+            os0=out.stride(0),
         ),
     )
     return out
@@ -854,17 +832,17 @@ def sample_token(
         "sample_token_rows",
         probs.device,
         (t,),
-        (
-            _p(pr),
-            np.int64(pr.stride(0)),
-            np.int32(n),
-            _p(seed.reshape(-1)),
-            sp,
-            sv,
-            np.int32(slot),
-            np.int32(purpose),
-            _p(tok),
-            _p(prob),
+        la.SampleTokenArgs(
+            probs=pr,
+            ps0=pr.stride(0),
+            n=n,
+            seed=seed.reshape(-1),
+            start_ptr=sp,
+            start_val=sv,
+            slot=slot,
+            purpose=purpose,
+            tok=tok,
+            prob=prob,
         ),
     )
     return tok, prob
@@ -903,22 +881,22 @@ def spec_accept(
         "spec_accept_k",
         p_rows.device,
         (1,),
-        (
-            _p(d),
-            _p(dp),
-            _p(q) if q.numel() else _NULL,
-            np.int64(q.stride(0) if q.numel() else 0),
-            np.int32(q.shape[1]),
-            _p(pr),
-            np.int64(pr.stride(0)),
-            np.int32(pr.shape[1]),
-            np.int32(n),
-            np.float64(p_min),
-            _p(seed.reshape(-1)),
-            sp,
-            sv,
-            _p(cache_len.reshape(-1)),
-            _p(out),
+        la.SpecAcceptArgs(
+            drafts=d,
+            draft_probs=dp,
+            q_rows=q if q.numel() else _NULL,
+            qs0=q.stride(0) if q.numel() else 0,
+            vq=q.shape[1],
+            p_rows=pr,
+            ps0=pr.stride(0),
+            vocab=pr.shape[1],
+            n=n,
+            p_min=p_min,
+            seed=seed.reshape(-1),
+            start_ptr=sp,
+            start_val=sv,
+            cache_len=cache_len.reshape(-1),
+            out=out,
         ),
     )
     return None
