@@ -600,6 +600,7 @@ class Engine:
         out = stats.as_dict(total)
         out["memory_by_device"] = {d: dict(v) for d, v in by_device.items()}
         out["devices"] = len(self.model.device_names)
+        out["fallbacks"] = kernel_ops.fallbacks()  # GPU calls that ran as PyTorch references, per op (this process)
         return out
 
     @contextlib.contextmanager

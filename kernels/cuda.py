@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import launch_args as la
-from . import reference
+from . import reference, registry
 from .reference import Start
 from .registry import NAMES as OP_NAMES
 
@@ -193,6 +193,16 @@ def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64
     return _NULL, np.int64(int(start))
 
 
+def _fallback(op: str, first: torch.Tensor):
+    """The reference of `op`, for a call the kernel does not take; counted and reported once per op
+    (kernels/registry.py) when the call was meant for a GPU. CPU tensors take the reference by design."""
+    if registry.on_gpu(first):
+        registry.count_fallback(
+            op, _CUPY_ERROR if _cp is None else "a shape, dtype or layout its kernel does not cover"
+        )
+    return getattr(reference, op)
+
+
 def _cuda_ok(*tensors: torch.Tensor) -> bool:
     return _cp is not None and all(t.is_cuda for t in tensors)
 
@@ -220,7 +230,7 @@ def _norm_threads(d: int) -> int:
 # ---- ops ----------------------------------------------------------------------------------------------
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _cuda_ok(x, weight) or x.dtype not in _KIND or x.dim() == 0 or weight.numel() != x.shape[-1]:
-        return reference.rmsnorm(x, weight, eps)
+        return _fallback("rmsnorm", x)(x, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
@@ -249,7 +259,7 @@ def add_rmsnorm(
         or x.dim() == 0
         or weight.numel() != x.shape[-1]
     ):
-        return reference.add_rmsnorm(x, residual, weight, eps)
+        return _fallback("add_rmsnorm", x)(x, residual, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -276,7 +286,7 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         or x.dim() == 0
         or weight.numel() != x.shape[-1]
     ):
-        return reference.gated_rmsnorm(x, gate, weight, eps)
+        return _fallback("gated_rmsnorm", x)(x, gate, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
@@ -324,7 +334,7 @@ def attention_cached(
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
-        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
+        return _fallback("attention_cached", q)(q, k_cache, v_cache, start, scale, gate)
     if (
         not _cuda_ok(q, k_cache, v_cache)
         or q.dtype not in _KIND
@@ -335,7 +345,7 @@ def attention_cached(
         or q.shape[2] != k_cache.shape[2]
         or q.shape[1] % k_cache.shape[1] != 0
     ):
-        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
+        return _fallback("attention_cached", q)(q, k_cache, v_cache, start, scale, gate)
     t, hq, d = q.shape
     if t > _ATT_MAX_KERNEL_ROWS and not (isinstance(start, torch.Tensor) and start.is_cuda):
         # prefill-sized batches with a host start: the reference's GEMMs are faster than per-row decoding
@@ -423,7 +433,7 @@ def attn_prep(
         or 2 * inv_freq.numel() > q.shape[2]
         or min(q.stride(2), k.stride(2), v.stride(2)) != 1
     ):
-        return reference.attn_prep(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
+        return _fallback("attn_prep", q)(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -475,7 +485,7 @@ def attn_prep(
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() == 0 or x.shape[-1] % 2:
-        return reference.silu_mul(x)
+        return _fallback("silu_mul", x)(x)
     two_i = x.shape[-1]
     i = two_i // 2
     x2 = _rows(x, two_i)
@@ -507,7 +517,7 @@ def gdn_gates(
         or dt_bias.numel() != a.shape[1]
         or neg_exp_a.dtype != torch.float32
     ):
-        return reference.gdn_gates(a, b, neg_exp_a, dt_bias)
+        return _fallback("gdn_gates", a)(a, b, neg_exp_a, dt_bias)
     t, h = a.shape
     a2, b2 = _rows(a, h), _rows(b, h)
     g = torch.empty((t, h), dtype=torch.float32, device=a.device)
@@ -547,7 +557,7 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         or not 2 <= weight.shape[1] <= 8
         or conv_ring.shape[2] != weight.shape[1] - 1
     ):
-        return reference.conv_update(x, conv_ring, weight, start)
+        return _fallback("conv_update", x)(x, conv_ring, weight, start)
     t, c = x.shape
     n = conv_ring.shape[0]
     k = weight.shape[1]
@@ -591,7 +601,7 @@ def gated_delta_rule(
         or dk > 128
         or hv % hk != 0
     ):
-        return reference.gated_delta_rule(q, k, v, g, beta, state_ring, start)
+        return _fallback("gated_delta_rule", q)(q, k, v, g, beta, state_ring, start)
     out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     if out.numel() == 0:
         return out
@@ -647,7 +657,7 @@ _AM_MIN_PER_BLOCK = 16384
 
 def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not _cuda_ok(logits) or logits.dtype not in _KIND or logits.dim() != 2:
-        return reference.argmax_prob(logits, n)
+        return _fallback("argmax_prob", logits)(logits, n)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
     tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
@@ -704,7 +714,7 @@ def greedy_accept(
         or out.dtype != torch.int64
         or not out.is_contiguous()
     ):
-        return reference.greedy_accept(drafts, draft_probs, target_tokens, p_min, cache_len, out)
+        return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out)
     n = drafts.shape[0]
     d = drafts.contiguous()
     pr = draft_probs if draft_probs.dtype == torch.float32 else draft_probs.float()
@@ -790,7 +800,7 @@ def sample_probs(
     logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> torch.Tensor:
     if not _cuda_ok(logits) or logits.dim() != 2 or logits.dtype not in _KIND or not _sampling_ready(logits.device):
-        return reference.sample_probs(logits, n, temperature, top_k, top_p, min_p)
+        return _fallback("sample_probs", logits)(logits, n, temperature, top_k, top_p, min_p)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
     out = torch.empty((t, n), dtype=torch.float32, device=logits.device)
@@ -820,7 +830,7 @@ def sample_token(
     probs: torch.Tensor, seed: torch.Tensor, start: Start, slot: int, purpose: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _cuda_ok(probs, seed) or probs.dim() != 2 or seed.dtype != torch.int64 or not _sampling_ready(probs.device):
-        return reference.sample_token(probs, seed, start, slot, purpose)
+        return _fallback("sample_token", probs)(probs, seed, start, slot, purpose)
     t, n = probs.shape
     tok = torch.empty((t,), dtype=torch.int64, device=probs.device)
     prob = torch.empty((t,), dtype=torch.float32, device=probs.device)
@@ -870,7 +880,7 @@ def spec_accept(
         or p_rows.dim() != 2
         or not _sampling_ready(p_rows.device)
     ):
-        return reference.spec_accept(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
+        return _fallback("spec_accept", drafts)(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
     n = drafts.shape[0]
     d = drafts.contiguous()
     dp = draft_probs.float().contiguous()

@@ -4,7 +4,7 @@ reference path."""
 
 from __future__ import annotations
 
-from . import reference
+from . import reference, registry
 from .registry import NAMES
 
 rmsnorm = reference.rmsnorm
@@ -45,14 +45,40 @@ def use_cuda_kernels(enable: bool) -> tuple[bool, str]:
     try:
         from . import cuda
     except Exception as exc:  # a broken CuPy install must not take the engine down
-        return False, f"CUDA kernels unavailable ({exc})"
+        return _references_counted(f"CUDA kernels unavailable ({exc})")
     ok, reason = cuda.available()
     if not ok:
-        return False, reason
+        return _references_counted(reason)
     for name in NAMES:
         g[name] = _by_device(getattr(cuda, name), getattr(reference, name))
     _cuda_enabled = True
     return True, "CUDA kernels enabled"
+
+
+def _references_counted(reason: str) -> tuple[bool, str]:
+    """The kernels were asked for but cannot run: bind the references, each counting its calls on a GPU as
+    fallbacks (kernels/registry.py). Returns (False, reason)."""
+    g = globals()
+    for name in NAMES:
+        ref = getattr(reference, name)
+        g[name] = ref if name in registry.REFERENCE_ONLY else _counted(name, ref, reason)
+    return False, reason
+
+
+def _counted(name: str, ref, reason: str):
+    def op(first, *args, **kwargs):
+        if registry.on_gpu(first):
+            registry.count_fallback(name, reason)
+        return ref(first, *args, **kwargs)
+
+    op.__name__, op.__doc__ = name, ref.__doc__
+    op.reference = ref
+    return op
+
+
+def fallbacks() -> dict[str, int]:
+    """Calls meant for a GPU that ran as PyTorch references, per op (see kernels/registry.py)."""
+    return registry.fallbacks()
 
 
 def _by_device(kernel, ref):
