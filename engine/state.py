@@ -78,8 +78,6 @@ class SessionState:
         self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
-        # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
-        self.legacy_clamped_planes = False
         self.reset()
 
     def row_offsets(self, n: int) -> torch.Tensor:
@@ -152,16 +150,6 @@ class SessionState:
         first = start + 1 if every_plane else start + count
         for p in range(max(first, start + count - n + 1), start + count + 1):
             self.plane_pos[p % n] = p
-        if self.legacy_clamped_planes and every_plane:
-            # The seed's bug: planes deeper than the batch get copies of its oldest state, tagged as if
-            # they held the positions a full-depth batch would have put there.
-            for i in range(count + 1, n):
-                p = start + count - i
-                if p < 0:
-                    break
-                for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
-                    planes[p % n] = planes[start % n]
-                self.plane_pos[p % n] = p
         self.target_len = start + count
 
 
