@@ -145,6 +145,8 @@ class Engine:
         self.kernel_notice = ""
         self._session_ids = itertools.count(1)
         self._memory_cache: tuple | None = None
+        # Sessions still referenced somewhere: a session dropped by its owner frees its buffers.
+        self._live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self.report = None  # a worker rank: sends its memory count to rank 0 after each round
 
     # ---- loading --------------------------------------------------------------------------------
@@ -340,7 +342,7 @@ class Engine:
         (sessions, plan pools, mirroring): the same object is returned while nothing did."""
         sessions = self._sessions()
         key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
-        key += (sum(getattr(s.state, "sampling_buffers", None) is not None for s in sessions),)
+        key += (sum(s.state.sampling_buffers is not None for s in sessions),)
         if self._memory_cache is None or self._memory_cache[0] != key:
             self._memory_cache = (key, self.memory_by_device(local=True))
         return self._memory_cache[1]
@@ -370,9 +372,8 @@ class Engine:
         for sess in self._sessions():
             for key, tensors in sess.state.buffers().items():
                 add(tensors, key)
-            sampling_buffers = getattr(sess.state, "sampling_buffers", None)  # made at the first sampled round
-            if sampling_buffers is not None:
-                add(sampling_buffers.tensors(), "workspace")
+            if sess.state.sampling_buffers is not None:  # made at the first sampled round
+                add(sess.state.sampling_buffers.tensors(), "workspace")
             if sess.plans.pool_bytes:
                 entry = out.setdefault(label, dict.fromkeys(MEMORY_KEYS, 0))
                 entry["graph_pools"] += sess.plans.pool_bytes
@@ -406,13 +407,6 @@ class Engine:
             weakref.finalize(sess, self.cluster.drop_later, sess.sid)
         self._live_sessions.add(sess)
         return sess
-
-    @property
-    def _live_sessions(self) -> weakref.WeakSet:
-        """Sessions still referenced somewhere: a session dropped by its owner frees its buffers."""
-        if not hasattr(self, "_session_set"):
-            self._session_set: weakref.WeakSet = weakref.WeakSet()
-        return self._session_set
 
     def _sessions(self) -> list[Session]:
         return list(self._live_sessions)

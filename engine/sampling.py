@@ -136,7 +136,7 @@ class SamplingBuffers:
 
 def buffers_for(state, vocab: int) -> SamplingBuffers:
     """The session's sampling buffers (made once; kept on the session state)."""
-    bufs = getattr(state, "sampling_buffers", None)
+    bufs = state.sampling_buffers
     if bufs is None:
         max_drafts = state.ids_buf.shape[0] - 1
         bufs = SamplingBuffers(max_drafts, vocab, state.start_buf.device)

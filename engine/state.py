@@ -22,12 +22,16 @@ are fed to the head at the start of the next draft (catch-up), together with the
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ModelConfig
 from .plans import PlanPool
 from .settings import EngineSettings
+
+if TYPE_CHECKING:
+    from .sampling import SamplingBuffers
 
 
 class SessionState:
@@ -78,6 +82,7 @@ class SessionState:
         self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
+        self.sampling_buffers: SamplingBuffers | None = None  # made at the first sampled round (engine/sampling.py)
         self.reset()
 
     def row_offsets(self, n: int) -> torch.Tensor:
@@ -94,7 +99,7 @@ class SessionState:
             planes[0].zero_()
         for planes in self.conv_planes.values():
             planes[0].zero_()
-        for shard in getattr(self, "shards", []):
+        for shard in self.shards:
             shard.reset()
         self.plane_pos = [-1] * self.n_planes
         self.plane_pos[0] = 0
@@ -159,6 +164,7 @@ class Session:
     def __init__(self, state: SessionState, plans: PlanPool, settings: EngineSettings | None = None) -> None:
         self.state = state
         self.plans = plans
+        self.sid = 0  # the engine's id for it (the same on every rank); set by Engine.new_session
         self._settings = settings or EngineSettings()
         self._lock = threading.Lock()
         self._cancel = threading.Event()

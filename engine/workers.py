@@ -377,7 +377,7 @@ class _WorkerChannel:
         self.conn = conn
         self.engine = engine
         self.sessions: dict[int, Any] = {}
-
+        self._ended = False  # a run's "end" already read by _WorkerRounds (so _skip_to_end reads no further)
         self._reported = None
         engine.report = self.report
 
@@ -487,7 +487,7 @@ def _expect(channel: _WorkerChannel, op: str) -> tuple:
 
 
 def _skip_to_end(channel: _WorkerChannel) -> None:
-    if getattr(channel, "_ended", False):
+    if channel._ended:
         channel._ended = False
         return
     while channel.recv()[0] != "end":
