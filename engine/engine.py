@@ -631,7 +631,20 @@ class Engine:
 
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
         ev = RoundEvent(
-            index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason
+            index=index,
+            tokens=[],
+            text="",
+            from_draft=[],
+            drafted=0,
+            accepted=0,
+            settings=settings,
+            time_draft_s=0.0,
+            time_verify_s=0.0,
+            time_accept_s=0.0,
+            time_host_s=0.0,
+            time_round_s=0.0,
+            done=True,
+            stop_reason=stats.stop_reason,
         )
         ev.run = self._run_stats(stats)
         return ev

@@ -45,7 +45,7 @@ Drafter = Callable[[list[int], int], list[int]]
 MAX_PLANNED_CATCHUP = MAX_DRAFT_DEPTH + 1
 
 
-@dataclass
+@dataclass(kw_only=True)  # built with keywords only: fields of the same type cannot be swapped unseen
 class RoundOutcome:
     tokens: list[int]
     from_draft: list[bool]
@@ -375,7 +375,17 @@ def run_round(
         state.mtp_len = n - 1
     clock.mark()
     if is_cancelled():
-        return RoundOutcome([], [], 0, 0, time.perf_counter() - t0, 0.0, 0.0, False, cancelled=True)
+        return RoundOutcome(
+            tokens=[],
+            from_draft=[],
+            drafted=0,
+            accepted=0,
+            time_draft_s=time.perf_counter() - t0,
+            time_verify_s=0.0,
+            time_accept_s=0.0,
+            hit_eos=False,
+            cancelled=True,
+        )
 
     width = n_drafts + 1
     if sp is not None:
@@ -416,14 +426,14 @@ def run_round(
     draft_s, verify_s, read_s = clock.spans()
     hits1, misses1, cap1 = plans.counters()
     return RoundOutcome(
-        emitted,
-        from_draft,
-        n_valid,
-        sum(from_draft),
-        draft_s,
-        verify_s,
-        read_s + (t_end - t_read),
-        hit_eos,
+        tokens=emitted,
+        from_draft=from_draft,
+        drafted=n_valid,
+        accepted=sum(from_draft),
+        time_draft_s=draft_s,
+        time_verify_s=verify_s,
+        time_accept_s=read_s + (t_end - t_read),
+        hit_eos=hit_eos,
         plan_hits=hits1 - hits0,
         plan_misses=misses1 - misses0,
         plan_capture_s=cap1 - cap0,

@@ -48,3 +48,17 @@ def test_the_round_uses_only_the_protocol():
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "model"
     }
     assert used and used <= MEMBERS, sorted(used - MEMBERS)
+
+
+def test_round_records_take_keywords_only():
+    import dataclasses
+
+    import pytest
+
+    from engine.spec import RoundOutcome
+    from engine.stats import RoundEvent
+
+    for cls in (RoundEvent, RoundOutcome):
+        assert all(f.kw_only for f in dataclasses.fields(cls)), cls
+        with pytest.raises(TypeError):
+            cls(0, [], "")
