@@ -42,7 +42,7 @@ from .state import SessionState
 # A test drafter: given the committed tokens and the depth, propose drafts (replaces the MTP head).
 Drafter = Callable[[list[int], int], list[int]]
 # Catch-up widths above this (after a prompt or plain-greedy rounds) run eagerly, never as a plan.
-MAX_PLANNED_CATCHUP = MAX_DRAFT_DEPTH + 1
+MAX_CAPTURED_CATCHUP = MAX_DRAFT_DEPTH + 1
 
 
 @dataclass(kw_only=True)  # built with keywords only: fields of the same type cannot be swapped unseen
@@ -347,7 +347,7 @@ def run_round(
     elif settings.chain and sp is not None:
         sub = settings.sub_vocab
         vq = sub or vocab
-        if width_mtp <= MAX_PLANNED_CATCHUP:
+        if width_mtp <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", width_mtp, depth, sub, *model.plan_tag, sp.plan_key),
                 pool,
@@ -357,7 +357,7 @@ def run_round(
             _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
-        if width_mtp <= MAX_PLANNED_CATCHUP:
+        if width_mtp <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", width_mtp, depth, sub, *model.plan_tag),
                 pool,
