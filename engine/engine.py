@@ -260,7 +260,7 @@ class Engine:
         if kinds == {"cuda"} and len({d.index for d in devices}) < len(devices):
             raise EngineError("each rank needs its own GPU; list every CUDA device once")
         spec = {"source": source, "max_context": max_context, "gemm": gemm, "model_dir": str(model_dir)}
-        cluster = Cluster(devices, spec, torch.get_num_threads())
+        cluster = Cluster(devices, spec, torch.get_num_threads(), cls._build_rank)
         try:
             eng = cls._build_rank(spec, 0, devices)
             cluster.wait_for("loaded", 600)
