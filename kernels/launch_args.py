@@ -1,10 +1,11 @@
 """Typed launch arguments: one builder per CUDA kernel (or family of kernels generated from one macro), whose
 fields are the kernel's parameters in the order of its `extern "C" __global__` signature in `cuda_src/*.cu`,
-each with its C type. A launch names every argument (`RmsNormArgs(x=..., xs=..., ...)`), and `pack` turns
-them into the numpy scalars CuPy passes by value, in declaration order; a builder used for a kernel it does
-not describe raises. tests/test_kernel_args.py parses the `.cu` sources and checks every builder's field names,
-order and C types against its kernels' parameters, so a reordered or retyped parameter fails a test instead of
-corrupting memory. This module needs neither CuPy nor a GPU.
+each with its C type. A builder is declared as its kernel's parameter list ("ptr x, i64 xs, ..."); a launch
+names every argument (`RmsNormArgs(x=..., xs=..., ...)`) and `pack` turns them into the numpy scalars CuPy
+passes by value, in declaration order; a builder used for a kernel it does not describe raises.
+tests/test_kernel_args.py parses the `.cu` sources and checks every builder's field names, order and C types
+against its kernels' parameters, so a reordered or retyped parameter fails a test instead of corrupting
+memory. This module needs neither CuPy nor a GPU.
 """
 
 from typing import Any, NamedTuple
@@ -50,25 +51,25 @@ class F64:
 
 # C type (qualifiers removed) -> the builder type a parameter of that type must have
 CTYPES = {"int": I32, "long long": I64, "float": F32, "double": F64}
+# the short names builders are declared with
+_SHORT = {"ptr": Ptr, "i32": I32, "i64": I64, "f32": F32, "f64": F64}
 
 # kernel name -> its builder class; builder class -> (its kernels, its field packers)
 BUILDERS: dict[str, type] = {}
 _PACKERS: dict[type, tuple[frozenset[str], tuple]] = {}
 
 
-def kernels(*names: str):
-    """Register a builder for the kernels `names` (all with the same parameter list)."""
-
-    def register(cls):
-        hints = cls.__annotations__
-        _PACKERS[cls] = (frozenset(names), tuple(hints[f].pack for f in cls._fields))
-        for name in names:
-            if name in BUILDERS:
-                raise ValueError(f"kernel {name} has two argument builders")
-            BUILDERS[name] = cls
-        return cls
-
-    return register
+def builder(name: str, params: str, *kernels: str) -> type:
+    """A NamedTuple class `name` for the kernels `kernels` (all with the same parameter list), its fields
+    declared as "type name, ..." in the kernel's order (types: ptr, i32, i64, f32, f64)."""
+    fields = [(f, _SHORT[t]) for t, f in (p.split() for p in params.split(","))]
+    cls = NamedTuple(name, fields)
+    _PACKERS[cls] = (frozenset(kernels), tuple(t.pack for _, t in fields))
+    for kernel in kernels:
+        if kernel in BUILDERS:
+            raise ValueError(f"kernel {kernel} has two argument builders")
+        BUILDERS[kernel] = cls
+    return cls
 
 
 def field_types(cls) -> list[tuple[str, type]]:
@@ -85,268 +86,111 @@ def pack(kernel: str, args: NamedTuple) -> tuple:
 
 
 # ---- decode_kernels.cu -------------------------------------------------------------------------------
-@kernels("rmsnorm_ws", "rmsnorm_wf")
-class RmsNormArgs(NamedTuple):
-    x: Ptr
-    xs: I64
-    w: Ptr
-    y: Ptr
-    d: I32
-    eps: F32
-
-
-@kernels("add_rmsnorm_ws", "add_rmsnorm_wf")
-class AddRmsNormArgs(NamedTuple):
-    x: Ptr
-    xs: I64
-    r: Ptr
-    rs: I64
-    w: Ptr
-    y: Ptr
-    s: Ptr
-    d: I32
-    eps: F32
-
-
-@kernels(*(f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"))
-class GatedRmsNormArgs(NamedTuple):
-    x: Ptr
-    xs: I64
-    gate: Ptr
-    gs: I64
-    w: Ptr
-    y: Ptr
-    d: I32
-    eps: F32
-
-
-@kernels(*(f"attn_split_e{e}" for e in (1, 2, 4, 8)))
-class AttnSplitArgs(NamedTuple):
-    q: Ptr
-    qs0: I64
-    qs1: I64
-    kc: Ptr
-    vc: Ptr
-    start_ptr: Ptr
-    start_val: I64
-    Hq: I32
-    Hkv: I32
-    D: I32
-    max_ctx: I64
-    scale: F32
-    ws_acc: Ptr
-    ws_ml: Ptr
-    out: Ptr
-    gate: Ptr
-    gs0: I64
-    gs1: I64
-
-
-@kernels(*(f"attn_tile_e{e}" for e in (1, 2, 4, 8)))
-class AttnTileArgs(NamedTuple):
-    q: Ptr
-    qs0: I64
-    qs1: I64
-    kc: Ptr
-    vc: Ptr
-    start_ptr: Ptr
-    start_val: I64
-    T: I32
-    Hq: I32
-    Hkv: I32
-    D: I32
-    max_ctx: I64
-    scale: F32
-    vec_ok: I32
-    ws_acc: Ptr
-    ws_ml: Ptr
-    out: Ptr
-    gate: Ptr
-    gs0: I64
-    gs1: I64
-
-
-@kernels("attn_combine", "attn_combine_par")
-class AttnCombineArgs(NamedTuple):
-    ws_acc: Ptr
-    ws_ml: Ptr
-    out: Ptr
-    S: I32
-    D: I32
-    gate: Ptr
-    gs0: I64
-    gs1: I64
-
-
-@kernels(*(f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"))
-class ConvUpdateArgs(NamedTuple):
-    x: Ptr
-    xs0: I64
-    ring: Ptr
-    w: Ptr
-    y: Ptr
-    sp: Ptr
-    sv: I64
-    T: I32
-    C: I32
-    n_planes: I32
-
-
-@kernels(*(f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"))
-class GatedDeltaRuleArgs(NamedTuple):
-    q: Ptr
-    qs0: I64
-    qs1: I64
-    k: Ptr
-    ks0: I64
-    ks1: I64
-    v: Ptr
-    vs0: I64
-    vs1: I64
-    g: Ptr
-    gs0: I64
-    beta: Ptr
-    bs0: I64
-    ring: Ptr
-    out: Ptr
-    sp: Ptr
-    sv: I64
-    T: I32
-    Hk: I32
-    Hv: I32
-    dk: I32
-    dv: I32
-    n_planes: I32
-    qscale: F32
-
-
-@kernels("silu_mul")
-class SiluMulArgs(NamedTuple):
-    x: Ptr
-    xs: I64
-    y: Ptr
-    T: I32
-    I: I32  # noqa: E741 - the kernel's name for the intermediate size
-
-
-@kernels("gdn_gates")
-class GdnGatesArgs(NamedTuple):
-    a: Ptr
-    as0: I64
-    b: Ptr
-    bs0: I64
-    neg_exp_a: Ptr
-    dt_bias: Ptr
-    g: Ptr
-    beta: Ptr
-    T: I32
-    H: I32
-
-
-@kernels("attn_prep_ws", "attn_prep_wf")
-class AttnPrepArgs(NamedTuple):
-    q: Ptr
-    qs0: I64
-    qs1: I64
-    k: Ptr
-    ks0: I64
-    ks1: I64
-    v: Ptr
-    vs0: I64
-    vs1: I64
-    wq: Ptr
-    wk: Ptr
-    inv_freq: Ptr
-    q_out: Ptr
-    kc: Ptr
-    vc: Ptr
-    sp: Ptr
-    sv: I64
-    Hq: I32
-    Hkv: I32
-    D: I32
-    half: I32
-    max_ctx: I64
-    eps: F32
-
-
-@kernels("argmax_partial")
-class ArgmaxPartialArgs(NamedTuple):
-    logits: Ptr
-    ls0: I64
-    n: I32
-    chunk: I32
-    vec_ok: I32
-    pm: Ptr
-    ps: Ptr
-    pi: Ptr
-    tok: Ptr
-    prob: Ptr
-
-
-@kernels("argmax_combine")
-class ArgmaxCombineArgs(NamedTuple):
-    pm: Ptr
-    ps: Ptr
-    pi: Ptr
-    P: I32
-    tok: Ptr
-    prob: Ptr
-
-
-@kernels("greedy_accept")
-class GreedyAcceptArgs(NamedTuple):
-    drafts: Ptr
-    probs: Ptr
-    target: Ptr
-    p_min: F64
-    cache_len: Ptr
-    out: Ptr
-    n: I32
-
+RmsNormArgs = builder(
+    "RmsNormArgs",
+    "ptr x, i64 xs, ptr w, ptr y, i32 d, f32 eps",
+    "rmsnorm_ws",
+    "rmsnorm_wf",
+)
+AddRmsNormArgs = builder(
+    "AddRmsNormArgs",
+    "ptr x, i64 xs, ptr r, i64 rs, ptr w, ptr y, ptr s, i32 d, f32 eps",
+    "add_rmsnorm_ws",
+    "add_rmsnorm_wf",
+)
+GatedRmsNormArgs = builder(
+    "GatedRmsNormArgs",
+    "ptr x, i64 xs, ptr gate, i64 gs, ptr w, ptr y, i32 d, f32 eps",
+    *(f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"),
+)
+AttnSplitArgs = builder(
+    "AttnSplitArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr kc, ptr vc, ptr start_ptr, i64 start_val, i32 Hq, i32 Hkv, i32 D, "
+        "i64 max_ctx, f32 scale, ptr ws_acc, ptr ws_ml, ptr out, ptr gate, i64 gs0, i64 gs1"
+    ),
+    *(f"attn_split_e{e}" for e in (1, 2, 4, 8)),
+)
+AttnTileArgs = builder(
+    "AttnTileArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr kc, ptr vc, ptr start_ptr, i64 start_val, i32 T, i32 Hq, i32 Hkv, i32 D, "
+        "i64 max_ctx, f32 scale, i32 vec_ok, ptr ws_acc, ptr ws_ml, ptr out, ptr gate, i64 gs0, i64 gs1"
+    ),
+    *(f"attn_tile_e{e}" for e in (1, 2, 4, 8)),
+)
+AttnCombineArgs = builder(
+    "AttnCombineArgs",
+    "ptr ws_acc, ptr ws_ml, ptr out, i32 S, i32 D, ptr gate, i64 gs0, i64 gs1",
+    "attn_combine",
+    "attn_combine_par",
+)
+ConvUpdateArgs = builder(
+    "ConvUpdateArgs",
+    "ptr x, i64 xs0, ptr ring, ptr w, ptr y, ptr sp, i64 sv, i32 T, i32 C, i32 n_planes",
+    *(f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"),
+)
+GatedDeltaRuleArgs = builder(
+    "GatedDeltaRuleArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr k, i64 ks0, i64 ks1, ptr v, i64 vs0, i64 vs1, ptr g, i64 gs0, ptr beta, "
+        "i64 bs0, ptr ring, ptr out, ptr sp, i64 sv, i32 T, i32 Hk, i32 Hv, i32 dk, i32 dv, i32 n_planes, "
+        "f32 qscale"
+    ),
+    *(f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"),
+)
+SiluMulArgs = builder(
+    "SiluMulArgs",
+    "ptr x, i64 xs, ptr y, i32 T, i32 I",
+    "silu_mul",
+)
+GdnGatesArgs = builder(
+    "GdnGatesArgs",
+    "ptr a, i64 as0, ptr b, i64 bs0, ptr neg_exp_a, ptr dt_bias, ptr g, ptr beta, i32 T, i32 H",
+    "gdn_gates",
+)
+AttnPrepArgs = builder(
+    "AttnPrepArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr k, i64 ks0, i64 ks1, ptr v, i64 vs0, i64 vs1, ptr wq, ptr wk, "
+        "ptr inv_freq, ptr q_out, ptr kc, ptr vc, ptr sp, i64 sv, i32 Hq, i32 Hkv, i32 D, i32 half, "
+        "i64 max_ctx, f32 eps"
+    ),
+    "attn_prep_ws",
+    "attn_prep_wf",
+)
+ArgmaxPartialArgs = builder(
+    "ArgmaxPartialArgs",
+    "ptr logits, i64 ls0, i32 n, i32 chunk, i32 vec_ok, ptr pm, ptr ps, ptr pi, ptr tok, ptr prob",
+    "argmax_partial",
+)
+ArgmaxCombineArgs = builder(
+    "ArgmaxCombineArgs",
+    "ptr pm, ptr ps, ptr pi, i32 P, ptr tok, ptr prob",
+    "argmax_combine",
+)
+GreedyAcceptArgs = builder(
+    "GreedyAcceptArgs",
+    "ptr drafts, ptr probs, ptr target, f64 p_min, ptr cache_len, ptr out, i32 n",
+    "greedy_accept",
+)
 
 # ---- sampling_kernels.cu -----------------------------------------------------------------------------
-@kernels("sample_probs_rows")
-class SampleProbsArgs(NamedTuple):
-    logits: Ptr
-    ls0: I64
-    n: I32
-    temperature: F32
-    top_k: I32
-    top_p: F32
-    min_p: F32
-    out: Ptr
-    os0: I64
-
-
-@kernels("sample_token_rows")
-class SampleTokenArgs(NamedTuple):
-    probs: Ptr
-    ps0: I64
-    n: I32
-    seed: Ptr
-    start_ptr: Ptr
-    start_val: I64
-    slot: I32
-    purpose: I32
-    tok: Ptr
-    prob: Ptr
-
-
-@kernels("spec_accept_k")
-class SpecAcceptArgs(NamedTuple):
-    drafts: Ptr
-    draft_probs: Ptr
-    q_rows: Ptr
-    qs0: I64
-    vq: I32
-    p_rows: Ptr
-    ps0: I64
-    vocab: I32
-    n: I32
-    p_min: F64
-    seed: Ptr
-    start_ptr: Ptr
-    start_val: I64
-    cache_len: Ptr
-    out: Ptr
+SampleProbsArgs = builder(
+    "SampleProbsArgs",
+    "ptr logits, i64 ls0, i32 n, f32 temperature, i32 top_k, f32 top_p, f32 min_p, ptr out, i64 os0",
+    "sample_probs_rows",
+)
+SampleTokenArgs = builder(
+    "SampleTokenArgs",
+    "ptr probs, i64 ps0, i32 n, ptr seed, ptr start_ptr, i64 start_val, i32 slot, i32 purpose, ptr tok, ptr prob",
+    "sample_token_rows",
+)
+SpecAcceptArgs = builder(
+    "SpecAcceptArgs",
+    (
+        "ptr drafts, ptr draft_probs, ptr q_rows, i64 qs0, i32 vq, ptr p_rows, i64 ps0, i32 vocab, i32 n, "
+        "f64 p_min, ptr seed, ptr start_ptr, i64 start_val, ptr cache_len, ptr out"
+    ),
+    "spec_accept_k",
+)
