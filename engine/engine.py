@@ -630,21 +630,8 @@ class Engine:
             ) from exc
 
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
-        ev = RoundEvent(
-            index=index,
-            tokens=[],
-            text="",
-            from_draft=[],
-            drafted=0,
-            accepted=0,
-            settings=settings,
-            time_draft_s=0.0,
-            time_verify_s=0.0,
-            time_accept_s=0.0,
-            time_host_s=0.0,
-            time_round_s=0.0,
-            done=True,
-            stop_reason=stats.stop_reason,
-        )
+        nothing = {"tokens": [], "text": "", "from_draft": [], "drafted": 0, "accepted": 0}
+        times = dict.fromkeys(("time_draft_s", "time_verify_s", "time_accept_s", "time_host_s", "time_round_s"), 0.0)
+        ev = RoundEvent(index=index, settings=settings, done=True, stop_reason=stats.stop_reason, **nothing, **times)
         ev.run = self._run_stats(stats)
         return ev

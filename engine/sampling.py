@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .settings import from_known_keys
+
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 100.0
 
@@ -86,11 +88,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a mapping; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return from_known_keys(cls, data, "sampling setting")
 
 
 def _number(name: str, value: Any) -> float:

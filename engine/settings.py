@@ -130,11 +130,7 @@ class EngineSettings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineSettings:
         """Build from a mapping; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return from_known_keys(cls, data, "setting")
 
     def diff(self, other: EngineSettings) -> dict[str, tuple[Any, Any]]:
         """Fields that differ: name -> (self's value, other's value)."""
@@ -166,6 +162,15 @@ def knobs() -> tuple[Knob, ...]:
 
 
 _RANGES = {k.name: k.range for k in knobs() if k.range is not None}
+
+
+def from_known_keys(cls: type, data: dict[str, Any], noun: str) -> Any:
+    """`cls(**data)` for a dataclass, refusing keys that are not its fields with a message naming them."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {noun}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**data)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None) -> None:

@@ -223,6 +223,11 @@ def _aux(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     return t.float().contiguous(), "f"
 
 
+def _heads(name: str, x: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """A [T, H, D] operand as the kernels take it: pointer `name`, token stride `name`s0, head stride `name`s1."""
+    return {name: x, f"{name}s0": x.stride(0), f"{name}s1": x.stride(1)}
+
+
 def _norm_threads(d: int) -> int:
     return min(1024, max(32, ((d + 7) // 8 + 31) // 32 * 32))
 
@@ -382,7 +387,7 @@ def attention_cached(
         if gate is None
         else {"gate": gate, "gs0": gate.stride(0), "gs1": gate.stride(1)}
     )
-    common = {"q": qc, "qs0": qc.stride(0), "qs1": qc.stride(1), "kc": k_cache, "vc": v_cache, "start_ptr": sp}
+    common = {**_heads("q", qc), "kc": k_cache, "vc": v_cache, "start_ptr": sp}
     common |= {"start_val": sv, "Hq": hq, "Hkv": hkv, "D": d, "max_ctx": max_ctx, "scale": scale}
     common |= {"ws_acc": pa, "ws_ml": pm, "out": out, **gates}
     if impl == "tile":
@@ -455,15 +460,9 @@ def attn_prep(
         (hq + hkv, t),
         (_norm_threads(d),),
         la.AttnPrepArgs(
-            q=q,
-            qs0=q.stride(0),
-            qs1=q.stride(1),
-            k=k,
-            ks0=k.stride(0),
-            ks1=k.stride(1),
-            v=v,
-            vs0=v.stride(0),
-            vs1=v.stride(1),
+            **_heads("q", q),
+            **_heads("k", k),
+            **_heads("v", v),
             wq=wq,
             wk=wk,
             inv_freq=inv,
@@ -622,15 +621,9 @@ def gated_delta_rule(
         ((dv + 31) // 32, hv),
         (threads,),
         la.GatedDeltaRuleArgs(
-            q=qc,
-            qs0=qc.stride(0),
-            qs1=qc.stride(1),
-            k=kc,
-            ks0=kc.stride(0),
-            ks1=kc.stride(1),
-            v=vc,
-            vs0=vc.stride(0),
-            vs1=vc.stride(1),
+            **_heads("q", qc),
+            **_heads("k", kc),
+            **_heads("v", vc),
             g=gf,
             gs0=gf.stride(0),
             beta=b,
