@@ -111,17 +111,6 @@ class SessionState:
         self.reset()
         self.tokens = tokens
 
-    def fill_for_test(self, value: float) -> None:
-        """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid. Tests use it to
-        prove that nothing reads a buffer before writing it."""
-        for buf in [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache]:
-            buf.fill_(value)
-        for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
-            planes[1:].fill_(value)
-        self.hidden.fill_(value)
-        for shard in self.shards:
-            shard.fill_for_test(value)
-
     def buffers(self) -> dict[str, list[torch.Tensor]]:
         """State tensors by component (for the memory breakdown), this state's and its shards'."""
         out = {

@@ -108,11 +108,23 @@ def _logits_step(eng: Engine, state, token: int) -> torch.Tensor:
         return eng.model.lm_head(eng.model.forward(torch.tensor([token]), state))[0]
 
 
+def _fill(st, value: float) -> None:
+    """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid: proves that nothing
+    reads a buffer before writing it."""
+    for buf in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache]:
+        buf.fill_(value)
+    for planes in [*st.delta_planes.values(), *st.conv_planes.values()]:
+        planes[1:].fill_(value)
+    st.hidden.fill_(value)
+    for shard in st.shards:
+        _fill(shard, value)
+
+
 def _fresh_state(eng: Engine, prefix: list[int], fill_nan: bool):
     sess = eng.new_session()
     st = sess.state
     if fill_nan:
-        st.fill_for_test(float("nan"))
+        _fill(st, float("nan"))
     st.tokens = [*prefix, 0]
     prefill(eng.model, st)
     return st
