@@ -64,27 +64,10 @@ def cases(name: str, s: dict, t: int, dtype: torch.dtype, ctxs: list[int]):
         3 * t * hv * dv * el,
     )
     q = r(t, hq, d)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, s["rot"], 2, dtype=torch.float32, device=DEV) / s["rot"]))
-    pos = torch.arange(100, 100 + t, device=DEV)
-    yield (
-        "rope_partial",
-        f"[{t},{hq},{d}]",
-        lambda: ref.rope_partial(q, pos, inv),
-        lambda: kc.rope_partial(q, pos, inv),
-        2 * q.numel() * el,
-    )
     start_t = torch.tensor([0], dtype=torch.int64, device=DEV)
     for ctx in ctxs:
         kcache, vcache = r(ctx + 64, hkv, d), r(ctx + 64, hkv, d)
-        k, v = r(t, hkv, d), r(t, hkv, d)
         st = ctx - t
-        yield (
-            "kv_write",
-            f"ctx {ctx}",
-            partial(ref.kv_write, kcache, vcache, k, v, st),
-            partial(kc.kv_write, kcache, vcache, k, v, st),
-            4 * k.numel() * el,
-        )
         st_dev = torch.tensor([st], dtype=torch.int64, device=DEV)
         yield (
             "attention_cached",

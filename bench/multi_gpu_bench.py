@@ -4,7 +4,7 @@
 
 1. fp32 check on the bundled model: logits of the split vs one GPU; speculative output == plain greedy.
 2. the bundled model (bf16): 1 GPU vs 2 GPUs, target-only and speculative; mirror on / off (distributed
-   argmax) / off (logits gathered); split plans cached (per-rank graphs) vs rebuilt each step (eager).
+   argmax) / off (logits gathered); plans (CUDA graphs, captured on every rank) vs none (plan_pool=0, eager).
 3. the Qwen3.5-9B-like random model (bf16), target-only: 1 GPU vs 2 GPUs, mirror on / off.
 4. the all-reduce of 1..17 rows x 4096 bf16 inside a captured graph: NCCL vs symmetric memory (one-shot),
    as timed at load, and which one the engine kept per size.
@@ -124,8 +124,8 @@ def run_bundled(model_dir: Path, devices: list[str], n: int) -> None:
         ("spec d5, mirror off (distributed argmax)", spec.replace(mirror_output=False), "argmax"),
         ("spec d5, mirror off (logits gathered)", spec.replace(mirror_output=False), "gather"),
         ("spec d3, mirror on", spec.replace(draft_depth=3), "argmax"),
-        ("target-only, split plans not cached (eager)", target.replace(plan_pool=0), "argmax"),
-        ("spec d5, split plans not cached (eager)", spec.replace(plan_pool=0), "argmax"),
+        ("target-only, no plans (plan_pool=0, eager)", target.replace(plan_pool=0), "argmax"),
+        ("spec d5, no plans (plan_pool=0, eager)", spec.replace(plan_pool=0), "argmax"),
     ):
         tp.set_model_option("combine", combine)
         t, runs = tps(tp, settings, n)
@@ -170,7 +170,7 @@ def run_9b(devices: list[str], n: int) -> None:
     for label, settings in (
         ("mirror on", target),
         ("mirror off (distributed argmax)", target.replace(mirror_output=False)),
-        ("split plans not cached (eager)", target.replace(plan_pool=0)),
+        ("no plans (plan_pool=0, eager)", target.replace(plan_pool=0)),
     ):
         t, runs = tps(tp, settings, n)
         say(f"2 GPUs {label:<32} {t:9.1f} t/s  {t / t1:5.2f}x")

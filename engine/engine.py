@@ -187,6 +187,8 @@ class Engine:
         self.kernel_notice = ""
         self._session_ids = itertools.count(1)
         self._memory_cache: tuple | None = None
+        # Sessions still referenced somewhere: a session dropped by its owner frees its buffers.
+        self._live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self.report = None  # a worker rank: sends its memory count to rank 0 after each round
 
     # ---- loading --------------------------------------------------------------------------------
@@ -321,7 +323,7 @@ class Engine:
         if kinds == {"cuda"} and len({d.index for d in devices}) < len(devices):
             raise EngineError("each rank needs its own GPU; list every CUDA device once")
         spec = {"source": source, "max_context": max_context, "gemm": gemm, "model_dir": str(model_dir)}
-        cluster = Cluster(devices, spec, torch.get_num_threads())
+        cluster = Cluster(devices, spec, torch.get_num_threads(), cls._build_rank)
         try:
             eng = cls._build_rank(spec, 0, devices)
             cluster.wait_for("loaded", 600)
@@ -403,7 +405,7 @@ class Engine:
         (sessions, plan pools, mirroring): the same object is returned while nothing did."""
         sessions = self._sessions()
         key = (len(sessions), sum(s.plans.pool_bytes for s in sessions), self.model.plan_tag)
-        key += (sum(getattr(s.state, "sampling_buffers", None) is not None for s in sessions),)
+        key += (sum(s.state.sampling_buffers is not None for s in sessions),)
         if self._memory_cache is None or self._memory_cache[0] != key:
             self._memory_cache = (key, self.memory_by_device(local=True))
         return self._memory_cache[1]
@@ -433,9 +435,8 @@ class Engine:
         for sess in self._sessions():
             for key, tensors in sess.state.buffers().items():
                 add(tensors, key)
-            sampling_buffers = getattr(sess.state, "sampling_buffers", None)  # made at the first sampled round
-            if sampling_buffers is not None:
-                add(sampling_buffers.tensors(), "workspace")
+            if sess.state.sampling_buffers is not None:  # made at the first sampled round
+                add(sess.state.sampling_buffers.tensors(), "workspace")
             if sess.plans.pool_bytes:
                 entry = out.setdefault(label, dict.fromkeys(MEMORY_KEYS, 0))
                 entry["graph_pools"] += sess.plans.pool_bytes
@@ -469,13 +470,6 @@ class Engine:
             weakref.finalize(sess, self.cluster.drop_later, sess.sid)
         self._live_sessions.add(sess)
         return sess
-
-    @property
-    def _live_sessions(self) -> weakref.WeakSet:
-        """Sessions still referenced somewhere: a session dropped by its owner frees its buffers."""
-        if not hasattr(self, "_session_set"):
-            self._session_set: weakref.WeakSet = weakref.WeakSet()
-        return self._session_set
 
     def _sessions(self) -> list[Session]:
         return list(self._live_sessions)
@@ -702,6 +696,7 @@ class Engine:
         out = stats.as_dict(total)
         out["memory_by_device"] = {d: dict(v) for d, v in by_device.items()}
         out["devices"] = len(self.model.device_names)
+        out["fallbacks"] = kernel_ops.fallbacks()  # GPU calls that ran as PyTorch references, per op (this process)
         return out
 
     @contextlib.contextmanager
@@ -737,8 +732,8 @@ class Engine:
             ) from exc
 
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
-        ev = RoundEvent(
-            index, [], "", [], 0, 0, settings, 0.0, 0.0, 0.0, 0.0, 0.0, done=True, stop_reason=stats.stop_reason
-        )
+        nothing = {"tokens": [], "text": "", "from_draft": [], "drafted": 0, "accepted": 0}
+        times = dict.fromkeys(("time_draft_s", "time_verify_s", "time_accept_s", "time_host_s", "time_round_s"), 0.0)
+        ev = RoundEvent(index=index, settings=settings, done=True, stop_reason=stats.stop_reason, **nothing, **times)
         ev.run = self._run_stats(stats)
         return ev

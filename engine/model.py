@@ -63,6 +63,7 @@ class Model:
         # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
         self.mirror = False
         self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
+        self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:
             full = weights.pop("lm_head.weight")
             self._head_host = None if tied else full.to("cpu")
@@ -280,7 +281,7 @@ class Model:
 
     def weight_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held, by device (shared tensors counted once)."""
-        extra = [t for t in (self.head, getattr(self, "head_slice", None)) if t is not None]
+        extra = [t for t in (self.head, self.head_slice) if t is not None]
         return {str(self.device): [*self.w.values(), *extra]}
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """Plans: captured CUDA graphs keyed by the shape of the work (batch width, depth, ...), kept in an LRU pool.
 
+In SpecDeck "plan" means this and nothing else: one phase of a round (the draft or the verify) captured as a
+CUDA graph for one shape. Its key is the shape plus `Model.plan_tag` (GEMM mode, mirrored head, combine) plus
+`SamplingParams.plan_key`; `plan_pool` is how many the pool keeps.
+
 `plan_pool` = how many are kept; 0 = no graphs (eager launches). A round whose shape is not cached runs
 eagerly (which also warms every kernel and cuBLAS up) and then captures the same work for next time;
 the pool counts hits, misses and capture time. On the CPU, or when CUDA kernels are not in use (the

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .settings import from_known_keys
+
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 100.0
 
@@ -86,11 +88,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a mapping; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return from_known_keys(cls, data, "sampling setting")
 
 
 def _number(name: str, value: Any) -> float:
@@ -136,7 +134,7 @@ class SamplingBuffers:
 
 def buffers_for(state, vocab: int) -> SamplingBuffers:
     """The session's sampling buffers (made once; kept on the session state)."""
-    bufs = getattr(state, "sampling_buffers", None)
+    bufs = state.sampling_buffers
     if bufs is None:
         max_drafts = state.ids_buf.shape[0] - 1
         bufs = SamplingBuffers(max_drafts, vocab, state.start_buf.device)

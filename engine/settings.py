@@ -1,7 +1,13 @@
-"""EngineSettings: every knob of the engine, as one frozen, validated value.
+"""EngineSettings: every knob of the engine, as one frozen, validated value, each described once.
 
 The app, the CLI, saved profiles and the bench all pass this one value to the engine.
 A running generation picks up a new value at its next round boundary.
+
+Each field carries its description as `dataclasses.field(metadata=...)`: `label` (a control's name),
+`short` (a plot marker's name), `help` (tooltip and --help text), `unit`, `range` ((lo, hi) with hi None
+for "no upper bound", or None for a switch), `flag` (the command line's option). `knobs()` lists them;
+validation reads the same ranges, so a control, a flag and the check cannot disagree. Adding a knob is one
+field here plus its use in the engine.
 """
 
 from __future__ import annotations
@@ -14,33 +20,94 @@ MAX_DRAFT_DEPTH = 16
 MAX_PLAN_POOL = 64
 
 
+def _knob(
+    default: Any, label: str, short: str, help: str, flag: str, unit: str | None = None, range: tuple | None = None
+) -> Any:
+    meta = {"label": label, "short": short, "help": help, "unit": unit, "range": range, "flag": flag}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class EngineSettings:
-    """The engine's knobs.
+    """The engine's knobs (each field's metadata says what it does; `knobs()` lists them)."""
 
-    speculative    draft with the MTP head and verify (False: plain greedy decoding of the target)
-    draft_depth    drafted tokens per round, 1..16, or "auto": chosen every round by the engine from the
-                   measured acceptance and round cost (engine/adaptive.py), at most max_draft_depth
-    max_draft_depth  the deepest "auto" may go, 1..16
-    p_min          stop drafting when the draft's probability of its pick is below this, 0..1
-    chain          all draft steps in one submission with the pick made on the device, returning only
-                   (token, prob); off: one submission per step and the full vocabulary row to the host
-    sub_vocab      the draft scores only the first N token ids (0 = the full vocabulary)
-    mirror_output  several devices: every device keeps the whole LM head (off: a vocabulary slice each)
-    plan_pool      captured plans (CUDA graphs) kept, keyed by batch width, LRU; 0 = no graphs
-    """
-
-    speculative: bool = True
-    draft_depth: int | str = 3
-    p_min: float = 0.0
-    chain: bool = True
-    sub_vocab: int = 0
-    mirror_output: bool = True
-    plan_pool: int = 8
-    max_draft_depth: int = 8
+    speculative: bool = _knob(
+        True,
+        "Speculative decoding",
+        "speculative",
+        "Draft with the MTP head and let the target verify several tokens per round. "
+        "Off: plain greedy decoding, one target token per round (the baseline).",
+        "--spec",
+    )
+    draft_depth: int | str = _knob(
+        3,
+        "Draft depth",
+        "depth",
+        f"Tokens drafted per round (1–{MAX_DRAFT_DEPTH}), or 'auto': the engine picks the depth of every round "
+        "from the acceptance it measures at each draft position and the time a round takes at each depth "
+        "(engine/adaptive.py), up to max_draft_depth. Deeper drafts pay off while acceptance stays high.",
+        "--depth",
+        "tokens",
+        (1, MAX_DRAFT_DEPTH),
+    )
+    p_min: float = _knob(
+        0.0,
+        "p_min",
+        "p_min",
+        "Stop drafting once the draft's probability of its pick falls below this (0 = always draft the full depth).",
+        "--p-min",
+        "probability",
+        (0.0, 1.0),
+    )
+    chain: bool = _knob(
+        True,
+        "Chain draft steps",
+        "chain",
+        "All draft steps in one submission with the pick made on the device, returning only (token, probability). "
+        "Off: one submission per step, the full vocabulary row copied to the host each time.",
+        "--chain",
+    )
+    sub_vocab: int = _knob(
+        0,
+        "Sub-vocab",
+        "sub-vocab",
+        "The draft scores only the first N token ids (the most common ones). The target still checks against "
+        "the full vocabulary, so the output does not change. 0 ('all') = the full vocabulary.",
+        "--sub-vocab",
+        "token ids",
+        (0, None),
+    )
+    mirror_output: bool = _knob(
+        True,
+        "Mirror output layer",
+        "mirror",
+        "With several GPUs: every GPU keeps the whole LM head (one layer of extra memory per GPU, no GPU-to-GPU "
+        "traffic at each verify). Off: each GPU holds a slice of the vocabulary.",
+        "--mirror-output",
+    )
+    plan_pool: int = _knob(
+        8,
+        "Plan pool",
+        "pool",
+        "Captured plans (CUDA graphs) kept, keyed by batch width, least recently used dropped first "
+        f"(0–{MAX_PLAN_POOL}; 0 = no graphs).",
+        "--plan-pool",
+        "graphs",
+        (0, MAX_PLAN_POOL),
+    )
+    max_draft_depth: int = _knob(
+        8,
+        "Draft depth: Auto, up to",
+        "max depth",
+        f"With draft_depth 'auto': the deepest the engine may draft (1–{MAX_DRAFT_DEPTH}).",
+        "--max-depth",
+        "tokens",
+        (1, MAX_DRAFT_DEPTH),
+    )
 
     def __post_init__(self) -> None:
-        for name in ("speculative", "chain", "mirror_output"):
+        kinds = {f.name: f.type for f in dataclasses.fields(self)}
+        for name in (n for n, t in kinds.items() if t == "bool"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.draft_depth != "auto":
@@ -48,14 +115,15 @@ class EngineSettings:
                 raise ValueError(
                     f"draft_depth must be an integer in 1..{MAX_DRAFT_DEPTH} or 'auto', got {self.draft_depth!r}"
                 )
-            _check_int("draft_depth", self.draft_depth, 1, MAX_DRAFT_DEPTH)
-        _check_int("max_draft_depth", self.max_draft_depth, 1, MAX_DRAFT_DEPTH)
-        _check_int("sub_vocab", self.sub_vocab, 0, None)
-        _check_int("plan_pool", self.plan_pool, 0, MAX_PLAN_POOL)
-        p = self.p_min
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 <= float(p) <= 1.0):
-            raise ValueError(f"p_min must be a number in 0..1, got {p!r}")
-        object.__setattr__(self, "p_min", float(p))
+            _check_int("draft_depth", self.draft_depth, *_RANGES["draft_depth"])
+        for name in (n for n, t in kinds.items() if t == "int"):
+            _check_int(name, getattr(self, name), *_RANGES[name])
+        for name in (n for n, t in kinds.items() if t == "float"):
+            lo, hi = _RANGES[name]
+            p = getattr(self, name)
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not (lo <= float(p) <= hi):
+                raise ValueError(f"{name} must be a number in {lo:g}..{hi:g}, got {p!r}")
+            object.__setattr__(self, name, float(p))
 
     @property
     def adaptive(self) -> bool:
@@ -66,22 +134,65 @@ class EngineSettings:
         """A copy with some fields changed (validated like any new value)."""
         return dataclasses.replace(self, **changes)
 
+    def fitted_to(self, vocab_size: int, sub_vocab_fraction: float | None = None) -> EngineSettings:
+        """These settings for a model with `vocab_size` tokens: the one fit-to-model rule.
+
+        `sub_vocab_fraction` (a profile's sub-vocab saved as a share of its model's vocabulary): sub_vocab
+        becomes that share of this vocabulary, at least 1, and 0 ("all") when it reaches the whole of it.
+        Without one, a sub_vocab larger than the vocabulary (a count tuned on a bigger model) becomes 0, the
+        closest meaning; anything else is unchanged."""
+        if sub_vocab_fraction is None:
+            return self.replace(sub_vocab=0) if self.sub_vocab > vocab_size else self
+        sub_vocab = max(1, round(sub_vocab_fraction * vocab_size))
+        return self.replace(sub_vocab=0 if sub_vocab >= vocab_size else sub_vocab)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineSettings:
         """Build from a mapping; unknown keys are an error naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return from_known_keys(cls, data, "setting")
 
     def diff(self, other: EngineSettings) -> dict[str, tuple[Any, Any]]:
         """Fields that differ: name -> (self's value, other's value)."""
         a, b = self.to_dict(), other.to_dict()
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One EngineSettings field and its description (what a control, a flag or a marker is built from)."""
+
+    name: str
+    type: type
+    default: Any
+    label: str
+    short: str
+    help: str
+    unit: str | None
+    range: tuple[Any, Any] | None
+    flag: str
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "int | str": int}  # draft_depth: an int, or "auto"
+
+
+def knobs() -> tuple[Knob, ...]:
+    """Every knob of EngineSettings, in field order."""
+    return tuple(Knob(f.name, _TYPES[f.type], f.default, **f.metadata) for f in dataclasses.fields(EngineSettings))
+
+
+_RANGES = {k.name: k.range for k in knobs() if k.range is not None}
+
+
+def from_known_keys(cls: type, data: dict[str, Any], noun: str) -> Any:
+    """`cls(**data)` for a dataclass, refusing keys that are not its fields with a message naming them."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {noun}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cls(**data)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None) -> None:

@@ -32,8 +32,8 @@ import torch
 from kernels import ops
 from kernels import reference as ref_ops
 
+from .decode_model import DecodeModel
 from .errors import EngineError
-from .model import Model
 from .plans import PlanPool
 from .sampling import SamplingBuffers, SamplingParams, active, buffers_for
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
@@ -42,10 +42,10 @@ from .state import SessionState
 # A test drafter: given the committed tokens and the depth, propose drafts (replaces the MTP head).
 Drafter = Callable[[list[int], int], list[int]]
 # Catch-up widths above this (after a prompt or plain-greedy rounds) run eagerly, never as a plan.
-MAX_PLANNED_CATCHUP = MAX_DRAFT_DEPTH + 1
+MAX_CAPTURED_CATCHUP = MAX_DRAFT_DEPTH + 1
 
 
-@dataclass
+@dataclass(kw_only=True)  # built with keywords only: fields of the same type cannot be swapped unseen
 class RoundOutcome:
     tokens: list[int]
     from_draft: list[bool]
@@ -66,7 +66,7 @@ class RoundOutcome:
     host_after_s: float = 0.0
 
 
-def prefill(model: Model, state: SessionState) -> int:
+def prefill(model: DecodeModel, state: SessionState) -> int:
     """Bring the target up to N-1 consumed tokens (the prompt minus its last token). Returns tokens fed."""
     n = len(state.tokens)
     todo = state.tokens[state.target_len : n - 1]
@@ -86,14 +86,14 @@ def prefill(model: Model, state: SessionState) -> int:
     return len(todo)
 
 
-def refill(model: Model, state: SessionState) -> None:
+def refill(model: DecodeModel, state: SessionState) -> None:
     """Fallback when a rollback cannot be served: reset the recurrent state and re-prefill the committed
     prefix (tokens are kept; the MTP head catches up from row 0)."""
     state.forget_computed()
     prefill(model, state)
 
 
-def check_fits(model: Model, settings: EngineSettings) -> None:
+def check_fits(model: DecodeModel, settings: EngineSettings) -> None:
     """Raise EngineError when valid settings still do not fit this model (checked at every round, since a
     session's settings may change between rounds from another thread)."""
     if settings.sub_vocab > model.cfg.vocab_size:
@@ -151,7 +151,7 @@ def _stage(state: SessionState, values: list[int]) -> None:
     state.stage_dev[:k].copy_(host[:k], non_blocking=True)
 
 
-def _catch_up(model: Model, state: SessionState, width: int) -> torch.Tensor:
+def _catch_up(model: DecodeModel, state: SessionState, width: int) -> torch.Tensor:
     """The MTP head over its pending rows (mtp_start_buf ..), the last being draft step 1: returns that
     row's output y [1, H], the input of the next step and of the pick."""
     rows = state.mtp_start_buf + state.row_offsets(width)
@@ -159,7 +159,7 @@ def _catch_up(model: Model, state: SessionState, width: int) -> torch.Tensor:
     return y[-1:]
 
 
-def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub: int) -> None:
+def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:
     """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
     y = _catch_up(model, state, width)
     for s in range(depth):
@@ -170,7 +170,7 @@ def _draft_chain(model: Model, state: SessionState, width: int, depth: int, sub:
             y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
 
 
-def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min: float) -> int:
+def _draft_host(model: DecodeModel, state: SessionState, width: int, depth: int, p_min: float) -> int:
     """The "before": one submission per step, the full vocabulary row copied to the host, picked there."""
     y = _catch_up(model, state, width)
     n = 0
@@ -188,7 +188,7 @@ def _draft_host(model: Model, state: SessionState, width: int, depth: int, p_min
     return n
 
 
-def _verify(model: Model, state: SessionState, width: int, p_min: float) -> None:
+def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float) -> None:
     """Target over ids_buf[:width]; hidden rows saved; greedy acceptance into out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
     state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
@@ -218,7 +218,7 @@ def _process(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 
 def _draft_chain_sampled(
-    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, sub: int, sp: SamplingParams
+    model: DecodeModel, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, sub: int, sp: SamplingParams
 ) -> None:
     """Catch-up rows + `depth` draft steps, each drawn from q on the device; q rows into bufs.q_buf, (token,
     q(token)) into ids_buf[1:] / probs_buf (p_min applies to q(token))."""
@@ -234,7 +234,13 @@ def _draft_chain_sampled(
 
 
 def _draft_host_sampled(
-    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, p_min: float, sp: SamplingParams
+    model: DecodeModel,
+    state: SessionState,
+    bufs: SamplingBuffers,
+    width: int,
+    depth: int,
+    p_min: float,
+    sp: SamplingParams,
 ) -> int:
     """Chain off: each step's row comes to the host, which processes it and draws (the same numbers the device
     would draw: the round's start position is n - 1); the q row goes back to bufs.q_buf for the verify."""
@@ -256,7 +262,13 @@ def _draft_host_sampled(
 
 
 def _verify_sampled(
-    model: Model, state: SessionState, bufs: SamplingBuffers, width: int, vq: int, p_min: float, sp: SamplingParams
+    model: DecodeModel,
+    state: SessionState,
+    bufs: SamplingBuffers,
+    width: int,
+    vq: int,
+    p_min: float,
+    sp: SamplingParams,
 ) -> None:
     """Target over ids_buf[:width]; hidden rows saved; speculative-sampling acceptance into out_buf /
     cache_len_buf (the layout greedy_accept writes)."""
@@ -278,7 +290,7 @@ def _verify_sampled(
 
 
 def run_round(
-    model: Model,
+    model: DecodeModel,
     state: SessionState,
     plans: PlanPool,
     settings: EngineSettings,
@@ -335,7 +347,7 @@ def run_round(
     elif settings.chain and sp is not None:
         sub = settings.sub_vocab
         vq = sub or vocab
-        if width_mtp <= MAX_PLANNED_CATCHUP:
+        if width_mtp <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", width_mtp, depth, sub, *model.plan_tag, sp.plan_key),
                 pool,
@@ -345,7 +357,7 @@ def run_round(
             _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
-        if width_mtp <= MAX_PLANNED_CATCHUP:
+        if width_mtp <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", width_mtp, depth, sub, *model.plan_tag),
                 pool,
@@ -363,7 +375,17 @@ def run_round(
         state.mtp_len = n - 1
     clock.mark()
     if is_cancelled():
-        return RoundOutcome([], [], 0, 0, time.perf_counter() - t0, 0.0, 0.0, False, cancelled=True)
+        return RoundOutcome(
+            tokens=[],
+            from_draft=[],
+            drafted=0,
+            accepted=0,
+            time_draft_s=time.perf_counter() - t0,
+            time_verify_s=0.0,
+            time_accept_s=0.0,
+            hit_eos=False,
+            cancelled=True,
+        )
 
     width = n_drafts + 1
     if sp is not None:
@@ -404,14 +426,14 @@ def run_round(
     draft_s, verify_s, read_s = clock.spans()
     hits1, misses1, cap1 = plans.counters()
     return RoundOutcome(
-        emitted,
-        from_draft,
-        n_valid,
-        sum(from_draft),
-        draft_s,
-        verify_s,
-        read_s + (t_end - t_read),
-        hit_eos,
+        tokens=emitted,
+        from_draft=from_draft,
+        drafted=n_valid,
+        accepted=sum(from_draft),
+        time_draft_s=draft_s,
+        time_verify_s=verify_s,
+        time_accept_s=read_s + (t_end - t_read),
+        hit_eos=hit_eos,
         plan_hits=hits1 - hits0,
         plan_misses=misses1 - misses0,
         plan_capture_s=cap1 - cap0,

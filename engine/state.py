@@ -22,12 +22,16 @@ are fed to the head at the start of the next draft (catch-up), together with the
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import ModelConfig
 from .plans import PlanPool
 from .settings import EngineSettings
+
+if TYPE_CHECKING:
+    from .sampling import SamplingBuffers
 
 
 class SessionState:
@@ -78,8 +82,7 @@ class SessionState:
         self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
-        # Test hook reproducing the seed's bug: short batches overwrite deeper planes with clamped copies.
-        self.legacy_clamped_planes = False
+        self.sampling_buffers: SamplingBuffers | None = None  # made at the first sampled round (engine/sampling.py)
         self.reset()
 
     def row_offsets(self, n: int) -> torch.Tensor:
@@ -96,7 +99,7 @@ class SessionState:
             planes[0].zero_()
         for planes in self.conv_planes.values():
             planes[0].zero_()
-        for shard in getattr(self, "shards", []):
+        for shard in self.shards:
             shard.reset()
         self.plane_pos = [-1] * self.n_planes
         self.plane_pos[0] = 0
@@ -107,17 +110,6 @@ class SessionState:
         tokens = list(self.tokens)
         self.reset()
         self.tokens = tokens
-
-    def fill_for_test(self, value: float) -> None:
-        """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid. Tests use it to
-        prove that nothing reads a buffer before writing it."""
-        for buf in [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache]:
-            buf.fill_(value)
-        for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
-            planes[1:].fill_(value)
-        self.hidden.fill_(value)
-        for shard in self.shards:
-            shard.fill_for_test(value)
 
     def buffers(self) -> dict[str, list[torch.Tensor]]:
         """State tensors by component (for the memory breakdown), this state's and its shards'."""
@@ -152,16 +144,6 @@ class SessionState:
         first = start + 1 if every_plane else start + count
         for p in range(max(first, start + count - n + 1), start + count + 1):
             self.plane_pos[p % n] = p
-        if self.legacy_clamped_planes and every_plane:
-            # The seed's bug: planes deeper than the batch get copies of its oldest state, tagged as if
-            # they held the positions a full-depth batch would have put there.
-            for i in range(count + 1, n):
-                p = start + count - i
-                if p < 0:
-                    break
-                for planes in [*self.delta_planes.values(), *self.conv_planes.values()]:
-                    planes[p % n] = planes[start % n]
-                self.plane_pos[p % n] = p
         self.target_len = start + count
 
 
@@ -171,6 +153,7 @@ class Session:
     def __init__(self, state: SessionState, plans: PlanPool, settings: EngineSettings | None = None) -> None:
         self.state = state
         self.plans = plans
+        self.sid = 0  # the engine's id for it (the same on every rank); set by Engine.new_session
         self._settings = settings or EngineSettings()
         self._lock = threading.Lock()
         self._cancel = threading.Event()

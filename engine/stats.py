@@ -8,7 +8,7 @@ from typing import Any
 from .settings import EngineSettings
 
 
-@dataclass
+@dataclass(kw_only=True)  # built with keywords only: a dozen numeric fields cannot be swapped unseen
 class RoundEvent:
     index: int
     tokens: list[int]

@@ -182,7 +182,9 @@ def setup_collectives(model, hidden: int, dtype: torch.dtype, allow_symmetric: b
 class Cluster:
     """Rank 0's handle on the worker processes: start, command channel, liveness, close."""
 
-    def __init__(self, devices: list[torch.device], source: tuple, threads: int) -> None:
+    def __init__(self, devices: list[torch.device], source: dict, threads: int, build_rank: Callable) -> None:
+        """`build_rank(spec, rank, devices) -> engine`: how a worker builds its rank (Engine._build_rank, passed
+        in so that this module never imports engine.engine, which imports it)."""
         for other in list(_LIVE):
             other.close("another multi-device engine was loaded")
         self.devices = devices
@@ -216,6 +218,7 @@ class Cluster:
                     threads,
                     child,
                     self.beats,
+                    build_rank,
                 ),
                 daemon=True,
                 name=f"specdeck-rank{rank}",
@@ -377,7 +380,7 @@ class _WorkerChannel:
         self.conn = conn
         self.engine = engine
         self.sessions: dict[int, Any] = {}
-
+        self._ended = False  # a run's "end" already read by _WorkerRounds (so _skip_to_end reads no further)
         self._reported = None
         engine.report = self.report
 
@@ -411,7 +414,7 @@ def _heartbeat(beats, rank: int, stop: threading.Event) -> None:
             os._exit(3)
 
 
-def worker_main(rank, world, address, devices, source, threads, conn, beats) -> None:
+def worker_main(rank, world, address, devices, source, threads, conn, beats, build_rank) -> None:
     stop = threading.Event()
     beats[rank] = time.time()
     threading.Thread(target=_heartbeat, args=(beats, rank, stop), daemon=True).start()
@@ -420,9 +423,7 @@ def worker_main(rank, world, address, devices, source, threads, conn, beats) -> 
         device = torch.device(devices[rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from .engine import Engine
-
-        engine = Engine._build_rank(source, rank, [torch.device(d) for d in devices])
+        engine = build_rank(source, rank, [torch.device(d) for d in devices])
         conn.send(("loaded",))
         init_group(rank, world, address[0], device, address[1])
         engine.collectives = setup_collectives(
@@ -487,7 +488,7 @@ def _expect(channel: _WorkerChannel, op: str) -> tuple:
 
 
 def _skip_to_end(channel: _WorkerChannel) -> None:
-    if getattr(channel, "_ended", False):
+    if channel._ended:
         channel._ended = False
         return
     while channel.recv()[0] != "end":

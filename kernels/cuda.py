@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import reference
-from .ops import NAMES as OP_NAMES
+from . import launch_args as la
+from . import reference, registry
 from .reference import Start
+from .registry import NAMES as OP_NAMES
 
 # The chunked (GEMM) form of the delta rule is used only for prefill and stays PyTorch.
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
@@ -42,7 +43,7 @@ except Exception as _e:  # noqa: BLE001 - any import failure means "not availabl
         else f"CuPy failed to import ({type(_e).__name__}: {_e})"
     )
 
-# One function per op of the dispatcher (kernels/ops.py lists them), plus the module's own two.
+# One function per op of the dispatcher (kernels/registry.py lists them), plus the module's own two.
 __all__ = ["available", "warm_up", *OP_NAMES]
 
 _SRC_PATH = Path(__file__).resolve().parent / "cuda_src" / "decode_kernels.cu"
@@ -145,7 +146,9 @@ def _stream(device: torch.device):
 
 def _launch(name: str, dtype: torch.dtype | None, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     """Launch kernel `name` of the module for `dtype` (None: a dtype-independent kernel, taken from any
-    module already loaded on the device) on PyTorch's current stream."""
+    module already loaded on the device) on PyTorch's current stream. `args`: the kernel's typed builder
+    (kernels/launch_args.py), packed here in the kernel's parameter order."""
+    args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     if dtype is None:
         kind = next((kd for (dv_, kd) in list(_modules) if dv_ == dev), 0)
@@ -173,7 +176,7 @@ def _p(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-_NULL = np.uint64(0)
+_NULL = la.NULL
 
 
 def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64]:
@@ -188,6 +191,16 @@ def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64
             raise TypeError(f"a device start must be int64, got {s.dtype}")
         return _p(s), np.int64(0)
     return _NULL, np.int64(int(start))
+
+
+def _fallback(op: str, first: torch.Tensor):
+    """The reference of `op`, for a call the kernel does not take; counted and reported once per op
+    (kernels/registry.py) when the call was meant for a GPU. CPU tensors take the reference by design."""
+    if registry.on_gpu(first):
+        registry.count_fallback(
+            op, _CUPY_ERROR if _cp is None else "a shape, dtype or layout its kernel does not cover"
+        )
+    return getattr(reference, op)
 
 
 def _cuda_ok(*tensors: torch.Tensor) -> bool:
@@ -210,11 +223,9 @@ def _aux(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
     return t.float().contiguous(), "f"
 
 
-def _inner_contig(x: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] with rows of H*D contiguous elements (token stride free)."""
-    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
-        return x.contiguous()
-    return x
+def _heads(name: str, x: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """A [T, H, D] operand as the kernels take it: pointer `name`, token stride `name`s0, head stride `name`s1."""
+    return {name: x, f"{name}s0": x.stride(0), f"{name}s1": x.stride(1)}
 
 
 def _norm_threads(d: int) -> int:
@@ -224,7 +235,7 @@ def _norm_threads(d: int) -> int:
 # ---- ops ----------------------------------------------------------------------------------------------
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _cuda_ok(x, weight) or x.dtype not in _KIND or x.dim() == 0 or weight.numel() != x.shape[-1]:
-        return reference.rmsnorm(x, weight, eps)
+        return _fallback("rmsnorm", x)(x, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
@@ -237,7 +248,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (_p(x2), np.int64(x2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+        la.RmsNormArgs(x=x2, xs=x2.stride(0), w=w, y=y, d=d, eps=eps),
     )
     return y
 
@@ -253,7 +264,7 @@ def add_rmsnorm(
         or x.dim() == 0
         or weight.numel() != x.shape[-1]
     ):
-        return reference.add_rmsnorm(x, residual, weight, eps)
+        return _fallback("add_rmsnorm", x)(x, residual, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -267,17 +278,7 @@ def add_rmsnorm(
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (
-            _p(x2),
-            np.int64(x2.stride(0)),
-            _p(r2),
-            np.int64(r2.stride(0)),
-            _p(w),
-            _p(y),
-            _p(s),
-            np.int32(d),
-            np.float32(eps),
-        ),
+        la.AddRmsNormArgs(x=x2, xs=x2.stride(0), r=r2, rs=r2.stride(0), w=w, y=y, s=s, d=d, eps=eps),
     )
     return y, s
 
@@ -290,7 +291,7 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         or x.dim() == 0
         or weight.numel() != x.shape[-1]
     ):
-        return reference.gated_rmsnorm(x, gate, weight, eps)
+        return _fallback("gated_rmsnorm", x)(x, gate, weight, eps)
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
@@ -305,92 +306,9 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
         x.device,
         (x2.shape[0],),
         (_norm_threads(d),),
-        (_p(x2), np.int64(x2.stride(0)), _p(g2), np.int64(g2.stride(0)), _p(w), _p(y), np.int32(d), np.float32(eps)),
+        la.GatedRmsNormArgs(x=x2, xs=x2.stride(0), gate=g2, gs=g2.stride(0), w=w, y=y, d=d, eps=eps),
     )
     return y
-
-
-def rope_partial(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() != 3:
-        return reference.rope_partial(x, positions, inv_freq)
-    t, h, d = x.shape
-    half = inv_freq.numel()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    xc = x if x.stride(2) == 1 else x.contiguous()
-    pos = positions.reshape(-1)
-    if pos.device != x.device:
-        pos = pos.to(x.device)
-    if pos.dtype != torch.int64:
-        pos = pos.long()
-    inv = inv_freq.reshape(-1)
-    if inv.device != x.device or inv.dtype != torch.float32:
-        inv = inv.to(device=x.device, dtype=torch.float32)
-    inv = inv.contiguous()
-    n = t * h * d
-    _launch(
-        "rope_partial",
-        x.dtype,
-        x.device,
-        ((n + 255) // 256,),
-        (256,),
-        (
-            _p(xc),
-            np.int64(xc.stride(0)),
-            np.int64(xc.stride(1)),
-            _p(pos),
-            _p(inv),
-            _p(y),
-            np.int32(t),
-            np.int32(h),
-            np.int32(d),
-            np.int32(half),
-        ),
-    )
-    return y
-
-
-def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-    if (
-        not _cuda_ok(k_cache, v_cache, k, v)
-        or k_cache.dtype not in _KIND
-        or not (k_cache.dtype == v_cache.dtype == k.dtype == v.dtype)
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or k_cache.shape != v_cache.shape
-        or k.shape != v.shape
-        or k.dim() != 3
-        or k.shape[1:] != k_cache.shape[1:]
-    ):
-        return reference.kv_write(k_cache, v_cache, k, v, start)
-    t = k.shape[0]
-    row = k_cache[0].numel()
-    if t == 0 or row == 0:
-        return None
-    kc, vc = _inner_contig(k), _inner_contig(v)
-    sp, sv = _start_args(start, k.device)
-    n = t * row
-    _launch(
-        "kv_write",
-        k.dtype,
-        k.device,
-        ((n + 255) // 256,),
-        (256,),
-        (
-            _p(k_cache),
-            _p(v_cache),
-            _p(kc),
-            np.int64(kc.stride(0)),
-            _p(vc),
-            np.int64(vc.stride(0)),
-            sp,
-            sv,
-            np.int32(t),
-            np.int32(row),
-            np.int64(k_cache.shape[0]),
-        ),
-    )
-    return None
 
 
 _ATT_MAX_SPLITS = 128
@@ -421,7 +339,7 @@ def attention_cached(
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
-        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
+        return _fallback("attention_cached", q)(q, k_cache, v_cache, start, scale, gate)
     if (
         not _cuda_ok(q, k_cache, v_cache)
         or q.dtype not in _KIND
@@ -432,7 +350,7 @@ def attention_cached(
         or q.shape[2] != k_cache.shape[2]
         or q.shape[1] % k_cache.shape[1] != 0
     ):
-        return reference.attention_cached(q, k_cache, v_cache, start, scale, gate)
+        return _fallback("attention_cached", q)(q, k_cache, v_cache, start, scale, gate)
     t, hq, d = q.shape
     if t > _ATT_MAX_KERNEL_ROWS and not (isinstance(start, torch.Tensor) and start.is_cuda):
         # prefill-sized batches with a host start: the reference's GEMMs are faster than per-row decoding
@@ -464,44 +382,26 @@ def attention_cached(
         pa, pm = _p(ws_acc), _p(ws_ml)
     else:
         pa = pm = _NULL
-    if gate is not None:
-        gargs = (_p(gate), np.int64(gate.stride(0)), np.int64(gate.stride(1)))
-    else:
-        gargs = (_NULL, np.int64(0), np.int64(0))
-    head = (_p(qc), np.int64(qc.stride(0)), np.int64(qc.stride(1)), _p(k_cache), _p(v_cache), sp, sv)
+    gates = (
+        {"gate": gate, "gs0": 0, "gs1": 0}
+        if gate is None
+        else {"gate": gate, "gs0": gate.stride(0), "gs1": gate.stride(1)}
+    )
+    common = {**_heads("q", qc), "kc": k_cache, "vc": v_cache, "start_ptr": sp}
+    common |= {"start_val": sv, "Hq": hq, "Hkv": hkv, "D": d, "max_ctx": max_ctx, "scale": scale}
+    common |= {"ws_acc": pa, "ws_ml": pm, "out": out, **gates}
     if impl == "tile":
-        args = head + (
-            np.int32(t),
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int64(max_ctx),
-            np.float32(scale),
-            np.int32(vec_ok),
-            pa,
-            pm,
-            _p(out),
-            *gargs,
-        )
+        args = la.AttnTileArgs(T=t, vec_ok=vec_ok, **common)
     else:
-        args = head + (
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int64(max_ctx),
-            np.float32(scale),
-            pa,
-            pm,
-            _p(out),
-            *gargs,
-        )
+        args = la.AttnSplitArgs(**common)
     _launch(name, q.dtype, q.device, grid, (128,), args)
     if splits > 1:
         if _ATT_COMBINE == "par":
             name, threads = "attn_combine_par", max(32, -(-max(d, splits) // 32) * 32)
         else:
             name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
-        _launch(name, q.dtype, q.device, (hq, t), (threads,), (pa, pm, _p(out), np.int32(splits), np.int32(d), *gargs))
+        combine = la.AttnCombineArgs(ws_acc=pa, ws_ml=pm, out=out, S=splits, D=d, **gates)
+        _launch(name, q.dtype, q.device, (hq, t), (threads,), combine)
     return out
 
 
@@ -538,7 +438,7 @@ def attn_prep(
         or 2 * inv_freq.numel() > q.shape[2]
         or min(q.stride(2), k.stride(2), v.stride(2)) != 1
     ):
-        return reference.attn_prep(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
+        return _fallback("attn_prep", q)(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
     t, hq, d = q.shape
     hkv = k.shape[1]
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -559,30 +459,24 @@ def attn_prep(
         q.device,
         (hq + hkv, t),
         (_norm_threads(d),),
-        (
-            _p(q),
-            np.int64(q.stride(0)),
-            np.int64(q.stride(1)),
-            _p(k),
-            np.int64(k.stride(0)),
-            np.int64(k.stride(1)),
-            _p(v),
-            np.int64(v.stride(0)),
-            np.int64(v.stride(1)),
-            _p(wq),
-            _p(wk),
-            _p(inv),
-            _p(out),
-            _p(k_cache),
-            _p(v_cache),
-            sp,
-            sv,
-            np.int32(hq),
-            np.int32(hkv),
-            np.int32(d),
-            np.int32(inv.numel()),
-            np.int64(k_cache.shape[0]),
-            np.float32(eps),
+        la.AttnPrepArgs(
+            **_heads("q", q),
+            **_heads("k", k),
+            **_heads("v", v),
+            wq=wq,
+            wk=wk,
+            inv_freq=inv,
+            q_out=out,
+            kc=k_cache,
+            vc=v_cache,
+            sp=sp,
+            sv=sv,
+            Hq=hq,
+            Hkv=hkv,
+            D=d,
+            half=inv.numel(),
+            max_ctx=k_cache.shape[0],
+            eps=eps,
         ),
     )
     return out
@@ -590,7 +484,7 @@ def attn_prep(
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     if not _cuda_ok(x) or x.dtype not in _KIND or x.dim() == 0 or x.shape[-1] % 2:
-        return reference.silu_mul(x)
+        return _fallback("silu_mul", x)(x)
     two_i = x.shape[-1]
     i = two_i // 2
     x2 = _rows(x, two_i)
@@ -604,7 +498,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         x.device,
         ((n + 255) // 256,),
         (256,),
-        (_p(x2), np.int64(x2.stride(0)), _p(y), np.int32(x2.shape[0]), np.int32(i)),
+        la.SiluMulArgs(x=x2, xs=x2.stride(0), y=y, T=x2.shape[0], I=i),
     )
     return y
 
@@ -622,7 +516,7 @@ def gdn_gates(
         or dt_bias.numel() != a.shape[1]
         or neg_exp_a.dtype != torch.float32
     ):
-        return reference.gdn_gates(a, b, neg_exp_a, dt_bias)
+        return _fallback("gdn_gates", a)(a, b, neg_exp_a, dt_bias)
     t, h = a.shape
     a2, b2 = _rows(a, h), _rows(b, h)
     g = torch.empty((t, h), dtype=torch.float32, device=a.device)
@@ -635,17 +529,17 @@ def gdn_gates(
         a.device,
         ((t * h + 127) // 128,),
         (128,),
-        (
-            _p(a2),
-            np.int64(a2.stride(0)),
-            _p(b2),
-            np.int64(b2.stride(0)),
-            _p(neg_exp_a.contiguous()),
-            _p(dt_bias.float().contiguous()),
-            _p(g),
-            _p(beta),
-            np.int32(t),
-            np.int32(h),
+        la.GdnGatesArgs(
+            a=a2,
+            as0=a2.stride(0),
+            b=b2,
+            bs0=b2.stride(0),
+            neg_exp_a=neg_exp_a.contiguous(),
+            dt_bias=dt_bias.float().contiguous(),
+            g=g,
+            beta=beta,
+            T=t,
+            H=h,
         ),
     )
     return g, beta
@@ -662,7 +556,7 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         or not 2 <= weight.shape[1] <= 8
         or conv_ring.shape[2] != weight.shape[1] - 1
     ):
-        return reference.conv_update(x, conv_ring, weight, start)
+        return _fallback("conv_update", x)(x, conv_ring, weight, start)
     t, c = x.shape
     n = conv_ring.shape[0]
     k = weight.shape[1]
@@ -678,7 +572,7 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         x.device,
         ((c + 127) // 128,),
         (128,),
-        (_p(xc), np.int64(xc.stride(0)), _p(conv_ring), _p(w), _p(y), sp, sv, np.int32(t), np.int32(c), np.int32(n)),
+        la.ConvUpdateArgs(x=xc, xs0=xc.stride(0), ring=conv_ring, w=w, y=y, sp=sp, sv=sv, T=t, C=c, n_planes=n),
     )
     return y
 
@@ -706,7 +600,7 @@ def gated_delta_rule(
         or dk > 128
         or hv % hk != 0
     ):
-        return reference.gated_delta_rule(q, k, v, g, beta, state_ring, start)
+        return _fallback("gated_delta_rule", q)(q, k, v, g, beta, state_ring, start)
     out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     if out.numel() == 0:
         return out
@@ -726,31 +620,25 @@ def gated_delta_rule(
         v.device,
         ((dv + 31) // 32, hv),
         (threads,),
-        (
-            _p(qc),
-            np.int64(qc.stride(0)),
-            np.int64(qc.stride(1)),
-            _p(kc),
-            np.int64(kc.stride(0)),
-            np.int64(kc.stride(1)),
-            _p(vc),
-            np.int64(vc.stride(0)),
-            np.int64(vc.stride(1)),
-            _p(gf),
-            np.int64(gf.stride(0)),
-            _p(b),
-            np.int64(b.stride(0)),
-            _p(state_ring),
-            _p(out),
-            sp,
-            sv,
-            np.int32(t),
-            np.int32(hk),
-            np.int32(hv),
-            np.int32(dk),
-            np.int32(dv),
-            np.int32(n),
-            np.float32(dk**-0.5),
+        la.GatedDeltaRuleArgs(
+            **_heads("q", qc),
+            **_heads("k", kc),
+            **_heads("v", vc),
+            g=gf,
+            gs0=gf.stride(0),
+            beta=b,
+            bs0=b.stride(0),
+            ring=state_ring,
+            out=out,
+            sp=sp,
+            sv=sv,
+            T=t,
+            Hk=hk,
+            Hv=hv,
+            dk=dk,
+            dv=dv,
+            n_planes=n,
+            qscale=dk**-0.5,
         ),
     )
     return out
@@ -762,7 +650,7 @@ _AM_MIN_PER_BLOCK = 16384
 
 def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not _cuda_ok(logits) or logits.dtype not in _KIND or logits.dim() != 2:
-        return reference.argmax_prob(logits, n)
+        return _fallback("argmax_prob", logits)(logits, n)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
     tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
@@ -787,7 +675,9 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
         logits.device,
         (parts, t),
         (_AM_THREADS,),
-        (_p(lg), np.int64(lg.stride(0)), np.int32(n), np.int32(chunk), np.int32(vec_ok), pm, ps, pi, _p(tok), _p(prob)),
+        la.ArgmaxPartialArgs(
+            logits=lg, ls0=lg.stride(0), n=n, chunk=chunk, vec_ok=vec_ok, pm=pm, ps=ps, pi=pi, tok=tok, prob=prob
+        ),
     )
     if parts > 1:
         _launch(
@@ -796,7 +686,7 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
             logits.device,
             (t,),
             (32,),
-            (pm, ps, pi, np.int32(parts), _p(tok), _p(prob)),
+            la.ArgmaxCombineArgs(pm=pm, ps=ps, pi=pi, P=parts, tok=tok, prob=prob),
         )
     return tok, prob
 
@@ -817,7 +707,7 @@ def greedy_accept(
         or out.dtype != torch.int64
         or not out.is_contiguous()
     ):
-        return reference.greedy_accept(drafts, draft_probs, target_tokens, p_min, cache_len, out)
+        return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out)
     n = drafts.shape[0]
     d = drafts.contiguous()
     pr = draft_probs if draft_probs.dtype == torch.float32 else draft_probs.float()
@@ -830,7 +720,7 @@ def greedy_accept(
         out.device,
         (1,),
         (32,),
-        (_p(d), _p(pr), _p(tt), np.float64(p_min), _p(cl), _p(out), np.int32(n)),
+        la.GreedyAcceptArgs(drafts=d, probs=pr, target=tt, p_min=p_min, cache_len=cl, out=out, n=n),
     )
     return None
 
@@ -882,6 +772,7 @@ def _sampling_ready(device: torch.device) -> bool:
 
 
 def _launch_sampling(name: str, device: torch.device, grid, args) -> None:
+    args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     fn = _sampling_function(dev, name)
     stream = _stream(device)
@@ -902,7 +793,7 @@ def sample_probs(
     logits: torch.Tensor, n: int, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> torch.Tensor:
     if not _cuda_ok(logits) or logits.dim() != 2 or logits.dtype not in _KIND or not _sampling_ready(logits.device):
-        return reference.sample_probs(logits, n, temperature, top_k, top_p, min_p)
+        return _fallback("sample_probs", logits)(logits, n, temperature, top_k, top_p, min_p)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
     out = torch.empty((t, n), dtype=torch.float32, device=logits.device)
@@ -913,16 +804,16 @@ def sample_probs(
         "sample_probs_rows",
         logits.device,
         (t,),
-        (
-            _p(lg),
-            np.int64(lg.stride(0)),
-            np.int32(n),
-            np.float32(temperature),
-            np.int32(top_k),
-            np.float32(top_p),
-            np.float32(min_p),
-            _p(out),
-            np.int64(out.stride(0)),
+        la.SampleProbsArgs(
+            logits=lg,
+            ls0=lg.stride(0),
+            n=n,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            out=out,
+            os0=out.stride(0),
         ),
     )
     return out
@@ -932,7 +823,7 @@ def sample_token(
     probs: torch.Tensor, seed: torch.Tensor, start: Start, slot: int, purpose: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _cuda_ok(probs, seed) or probs.dim() != 2 or seed.dtype != torch.int64 or not _sampling_ready(probs.device):
-        return reference.sample_token(probs, seed, start, slot, purpose)
+        return _fallback("sample_token", probs)(probs, seed, start, slot, purpose)
     t, n = probs.shape
     tok = torch.empty((t,), dtype=torch.int64, device=probs.device)
     prob = torch.empty((t,), dtype=torch.float32, device=probs.device)
@@ -944,17 +835,17 @@ def sample_token(
         "sample_token_rows",
         probs.device,
         (t,),
-        (
-            _p(pr),
-            np.int64(pr.stride(0)),
-            np.int32(n),
-            _p(seed.reshape(-1)),
-            sp,
-            sv,
-            np.int32(slot),
-            np.int32(purpose),
-            _p(tok),
-            _p(prob),
+        la.SampleTokenArgs(
+            probs=pr,
+            ps0=pr.stride(0),
+            n=n,
+            seed=seed.reshape(-1),
+            start_ptr=sp,
+            start_val=sv,
+            slot=slot,
+            purpose=purpose,
+            tok=tok,
+            prob=prob,
         ),
     )
     return tok, prob
@@ -982,7 +873,7 @@ def spec_accept(
         or p_rows.dim() != 2
         or not _sampling_ready(p_rows.device)
     ):
-        return reference.spec_accept(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
+        return _fallback("spec_accept", drafts)(drafts, draft_probs, q_rows, p_rows, p_min, seed, start, cache_len, out)
     n = drafts.shape[0]
     d = drafts.contiguous()
     dp = draft_probs.float().contiguous()
@@ -993,22 +884,22 @@ def spec_accept(
         "spec_accept_k",
         p_rows.device,
         (1,),
-        (
-            _p(d),
-            _p(dp),
-            _p(q) if q.numel() else _NULL,
-            np.int64(q.stride(0) if q.numel() else 0),
-            np.int32(q.shape[1]),
-            _p(pr),
-            np.int64(pr.stride(0)),
-            np.int32(pr.shape[1]),
-            np.int32(n),
-            np.float64(p_min),
-            _p(seed.reshape(-1)),
-            sp,
-            sv,
-            _p(cache_len.reshape(-1)),
-            _p(out),
+        la.SpecAcceptArgs(
+            drafts=d,
+            draft_probs=dp,
+            q_rows=q if q.numel() else _NULL,
+            qs0=q.stride(0) if q.numel() else 0,
+            vq=q.shape[1],
+            p_rows=pr,
+            ps0=pr.stride(0),
+            vocab=pr.shape[1],
+            n=n,
+            p_min=p_min,
+            seed=seed.reshape(-1),
+            start_ptr=sp,
+            start_val=sv,
+            cache_len=cache_len.reshape(-1),
+            out=out,
         ),
     )
     return None
@@ -1031,8 +922,6 @@ _KERNELS_PER_DTYPE = (
         "rmsnorm_wf",
         "add_rmsnorm_ws",
         "add_rmsnorm_wf",
-        "rope_partial",
-        "kv_write",
         "attn_combine",
         "attn_combine_par",
         "argmax_partial",
@@ -1086,12 +975,9 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         for ga in (x, x.float()):
             gated_rmsnorm(x, ga, wa, 1e-6)
     start = torch.zeros(1, dtype=torch.int64, device=device)
-    pos = torch.arange(2, device=device)
     for d in (32, 64, 128, 256):
         q = torch.randn(2, 2, d, **kw)
-        rope_partial(q, pos, torch.ones(d // 4, device=device))
         kc, vc = z(256, 1, d, **kw), z(256, 1, d, **kw)  # long enough for split keys + combine
-        kv_write(kc, vc, q[:, :1], q[:, :1], start)
         attention_cached(q, kc, vc, start, d**-0.5)
         attention_cached(q, kc, vc, 0, d**-0.5)
         attention_cached(q, kc, vc, start, d**-0.5, q)

@@ -4,33 +4,12 @@ reference path."""
 
 from __future__ import annotations
 
-from . import reference
-
-NAMES = (
-    "rmsnorm",
-    "add_rmsnorm",
-    "gated_rmsnorm",
-    "rope_partial",
-    "kv_write",
-    "attn_prep",
-    "silu_mul",
-    "gdn_gates",
-    "attention_cached",
-    "conv_update",
-    "gated_delta_rule",
-    "chunk_gated_delta_rule",
-    "argmax_prob",
-    "greedy_accept",
-    "sample_probs",
-    "sample_token",
-    "spec_accept",
-)
+from . import reference, registry
+from .registry import NAMES
 
 rmsnorm = reference.rmsnorm
 add_rmsnorm = reference.add_rmsnorm
 gated_rmsnorm = reference.gated_rmsnorm
-rope_partial = reference.rope_partial
-kv_write = reference.kv_write
 attn_prep = reference.attn_prep
 silu_mul = reference.silu_mul
 gdn_gates = reference.gdn_gates
@@ -66,14 +45,40 @@ def use_cuda_kernels(enable: bool) -> tuple[bool, str]:
     try:
         from . import cuda
     except Exception as exc:  # a broken CuPy install must not take the engine down
-        return False, f"CUDA kernels unavailable ({exc})"
+        return _references_counted(f"CUDA kernels unavailable ({exc})")
     ok, reason = cuda.available()
     if not ok:
-        return False, reason
+        return _references_counted(reason)
     for name in NAMES:
         g[name] = _by_device(getattr(cuda, name), getattr(reference, name))
     _cuda_enabled = True
     return True, "CUDA kernels enabled"
+
+
+def _references_counted(reason: str) -> tuple[bool, str]:
+    """The kernels were asked for but cannot run: bind the references, each counting its calls on a GPU as
+    fallbacks (kernels/registry.py). Returns (False, reason)."""
+    g = globals()
+    for name in NAMES:
+        ref = getattr(reference, name)
+        g[name] = ref if name in registry.REFERENCE_ONLY else _counted(name, ref, reason)
+    return False, reason
+
+
+def _counted(name: str, ref, reason: str):
+    def op(first, *args, **kwargs):
+        if registry.on_gpu(first):
+            registry.count_fallback(name, reason)
+        return ref(first, *args, **kwargs)
+
+    op.__name__, op.__doc__ = name, ref.__doc__
+    op.reference = ref
+    return op
+
+
+def fallbacks() -> dict[str, int]:
+    """Calls meant for a GPU that ran as PyTorch references, per op (see kernels/registry.py)."""
+    return registry.fallbacks()
 
 
 def _by_device(kernel, ref):

@@ -10,7 +10,7 @@ Tolerances (torch.testing.assert_close), per output dtype:
   bit-identical: the kernels reproduce the reference's intermediate roundings to bf16, so differences
   come only from fp32 rounding in the last place flipping a bf16 rounding.
 - fp16: rtol 3e-3, atol 1e-3 * max|ref|.
-- exact (torch.equal): kv_write, the conv planes (copies of inputs), argmax tokens, greedy_accept.
+- exact (torch.equal): the conv planes (copies of inputs), argmax tokens, greedy_accept.
 - argmax probabilities are fp32 maths from identical inputs in both: fp32 tolerance in every dtype.
 - the delta rule's fp32 state planes: fp32 tolerance in every dtype (fp32 maths from identical inputs).
 Ties in argmax: the kernel returns the LOWEST index of the maximum (what torch's CPU max returns);
@@ -147,39 +147,6 @@ def test_gated_rmsnorm(kc, dtype, hv, dv, t):
     for w in (rnd(dv, dtype=dtype, scale=0.5) + 1, rnd(dv, scale=0.5) + 1):
         for gt in (gate, gate.float()):
             close(kc.gated_rmsnorm(x, gt, w, 1e-6), ref.gated_rmsnorm(x, gt, w, 1e-6), "gated_rmsnorm")
-
-
-# ---- rope / kv -------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,d,rot", [(4, 16, 4), (6, 64, 16), (16, 256, 64), (4, 256, 256)])
-@pytest.mark.parametrize("start", [0, 7, 4090, 32750])
-def test_rope_partial(kc, dtype, heads, d, rot, start):
-    torch.manual_seed(heads + d + start)
-    t = 9
-    x = rnd(t, heads, d, dtype=dtype)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=CUDA) / rot))
-    pos = torch.arange(start, start + t, device=CUDA)
-    close(kc.rope_partial(x, pos, inv_freq), ref.rope_partial(x, pos, inv_freq), "rope")
-    xs = rnd(t, heads, 2 * d, dtype=dtype)[..., d:]  # strided view
-    close(kc.rope_partial(xs, pos, inv_freq), ref.rope_partial(xs, pos, inv_freq), "rope strided")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 4, 17])
-@pytest.mark.parametrize("start", [0, 33, 2031])
-@pytest.mark.parametrize("tensor_start", [False, True])
-def test_kv_write(kc, dtype, t, start, tensor_start):
-    torch.manual_seed(t + start)
-    max_ctx, hkv, d = 2048, 4, 256
-    kc0, vc0 = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
-    k, v = rnd(t, hkv, d, dtype=dtype), rnd(t, hkv, d, dtype=dtype)
-    a, b = kc0.clone(), vc0.clone()
-    kc.kv_write(a, b, k, v, as_start(start, tensor_start))
-    ra, rb = kc0.clone(), vc0.clone()
-    ref.kv_write(ra, rb, k, v, start)
-    assert torch.equal(a, ra) and torch.equal(b, rb)
 
 
 # ---- attention -------------------------------------------------------------------------------------
@@ -487,24 +454,16 @@ class _Step:
         self.start.fill_(s)
 
     def run(self, ops_, start):
-        pos = (
-            start + torch.arange(self.t, device=CUDA)
-            if isinstance(start, torch.Tensor)
-            else (torch.arange(start, start + self.t, device=CUDA))
-        )
-        qr = ops_.rope_partial(self.q, pos, self.inv_freq)
-        kr = ops_.rope_partial(self.k, pos, self.inv_freq)
-        ops_.kv_write(self.kcache, self.vcache, kr, self.v, start)
-        # the fused form rewrites those cache rows from the same k and v (zero-centred weight 0: plain norm)
+        # q/k norm (zero-centred weight 0: plain norm) + RoPE + the cache rows of k and v, in one op
         qp = ops_.attn_prep(
             self.q, self.k, self.v, self.wn, self.wn, 1e-6, self.inv_freq, self.kcache, self.vcache, start
         )
-        att = ops_.attention_cached(qr, self.kcache, self.vcache, start, self.scale, qp)
+        att = ops_.attention_cached(qp, self.kcache, self.vcache, start, self.scale, self.q)
         conv = ops_.conv_update(self.x, self.ring, self.w, start)
         o = ops_.gated_delta_rule(self.dq, self.dk_, self.dv_, self.g, self.beta, self.state, start)
         tok, prob = ops_.argmax_prob(self.logits, 0)
         ops_.greedy_accept(self.drafts, self.dprobs, tok, 0.5, self.cache_len, self.out)
-        return qr, att, conv, o, tok, prob
+        return qp, att, conv, o, tok, prob
 
     def expected(self, s: int):
         saved = [b.clone() for b in (self.kcache, self.vcache, self.ring, self.state, self.cache_len, self.out)]

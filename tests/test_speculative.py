@@ -108,11 +108,23 @@ def _logits_step(eng: Engine, state, token: int) -> torch.Tensor:
         return eng.model.lm_head(eng.model.forward(torch.tensor([token]), state))[0]
 
 
+def _fill(st, value: float) -> None:
+    """Fill every state buffer with a sentinel (e.g. NaN), keeping position 0 valid: proves that nothing
+    reads a buffer before writing it."""
+    for buf in [*st.k_cache.values(), *st.v_cache.values(), *st.mtp_k_cache, *st.mtp_v_cache]:
+        buf.fill_(value)
+    for planes in [*st.delta_planes.values(), *st.conv_planes.values()]:
+        planes[1:].fill_(value)
+    st.hidden.fill_(value)
+    for shard in st.shards:
+        _fill(shard, value)
+
+
 def _fresh_state(eng: Engine, prefix: list[int], fill_nan: bool):
     sess = eng.new_session()
     st = sess.state
     if fill_nan:
-        st.fill_for_test(float("nan"))
+        _fill(st, float("nan"))
     st.tokens = [*prefix, 0]
     prefill(eng.model, st)
     return st
@@ -134,12 +146,35 @@ def test_rollback_then_replay_equals_never_advanced(eng):
         assert (got - want).abs().max().item() < 1e-5
 
 
+def _with_clamped_planes_bug(st) -> None:
+    """Make `st` reproduce the seed's bug: short batches overwrite deeper planes with clamped copies (planes
+    deeper than the batch get copies of its oldest state, tagged as if they held the positions a full-depth
+    batch would have put there). A test hook, kept here rather than in the production SessionState."""
+    record_batch = st.record_batch
+
+    def buggy(start: int, count: int, every_plane: bool) -> None:
+        record_batch(start, count, every_plane)
+        if not every_plane:
+            return
+        n = st.n_planes
+        for i in range(count + 1, n):
+            p = start + count - i
+            if p < 0:
+                break
+            for planes in [*st.delta_planes.values(), *st.conv_planes.values()]:
+                planes[p % n] = planes[start % n]
+            st.plane_pos[p % n] = p
+
+    st.record_batch = buggy
+
+
 def _deep_rollback_error(eng: Engine, legacy: bool) -> float:
     """A long batch, then a short batch, then a rollback into the long batch, then one step."""
     prefix = list(range(5, 25))
     long_batch = [(11 * i + 1) % 300 for i in range(8)]
     st = _fresh_state(eng, prefix, fill_nan=True)
-    st.legacy_clamped_planes = legacy
+    if legacy:
+        _with_clamped_planes_bug(st)
     with torch.inference_mode():
         eng.model.forward(torch.tensor(long_batch), st)
         eng.model.forward(torch.tensor([42]), st)

@@ -245,10 +245,10 @@ GATED_RMSNORM(gated_rmsnorm_wf_gs, float, scalar_t)
 GATED_RMSNORM(gated_rmsnorm_wf_gf, float, float)
 
 // ------------------------------------------------------------------------------------------------
-// rope_partial: one thread per output element of [T, H, D] (output contiguous).
+// rope_elem: the arithmetic of partial RoPE (kernels/reference.py rope_partial), used by attn_prep.
 // ------------------------------------------------------------------------------------------------
 // Element d of a RoPE'd row (NeoX pairs d, d +- half; dims >= 2 * half pass through), given the row's
-// element x_d and its pair element x_p: the arithmetic of rope_partial, shared with attn_prep.
+// element x_d and its pair element x_p: the arithmetic of the reference rope_partial.
 __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half, long long pos,
                                            const float* __restrict__ inv_freq) {
     if (d >= 2 * half) return x_d;
@@ -258,39 +258,6 @@ __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half
     const float s = rnd<scalar_t>(sinf(f));
     const float rv = d < half ? -x_p : x_p;     // rotate_half
     return rnd<scalar_t>(x_d * c) + rnd<scalar_t>(rv * s);
-}
-
-extern "C" __global__ void rope_partial(const scalar_t* __restrict__ x, long long xs0, long long xs1,
-                                        const long long* __restrict__ pos, const float* __restrict__ inv_freq,
-                                        scalar_t* __restrict__ y, int T, int H, int D, int half) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long total = (long long)T * H * D;
-    if (idx >= total) return;
-    const int d = (int)(idx % D);
-    const int h = (int)((idx / D) % H);
-    const int t = (int)(idx / ((long long)D * H));
-    const scalar_t* xr = x + t * xs0 + h * xs1;
-    const int p = d < half ? d + half : d - half;
-    const float x_p = d < 2 * half ? to_f(xr[p]) : 0.f;
-    y[idx] = from_f<scalar_t>(rope_elem(to_f(xr[d]), x_p, d, half, pos[t], inv_freq));
-}
-
-// ------------------------------------------------------------------------------------------------
-// kv_write: k, v [T, row] (row = Hkv * D contiguous, token stride ks0/vs0) -> caches [max_ctx, row].
-// ------------------------------------------------------------------------------------------------
-extern "C" __global__ void kv_write(scalar_t* __restrict__ kc, scalar_t* __restrict__ vc,
-                                    const scalar_t* __restrict__ k, long long ks0, const scalar_t* __restrict__ v,
-                                    long long vs0, const long long* start_ptr, long long start_val, int T, int row,
-                                    long long max_ctx) {
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)T * row) return;
-    const long long start = read_start(start_ptr, start_val);
-    const int t = (int)(idx / row);
-    const int r = (int)(idx % row);
-    const long long p = start + t;
-    if (p < 0 || p >= max_ctx) return;
-    kc[p * row + r] = k[t * ks0 + r];
-    vc[p * row + r] = v[t * vs0 + r];
 }
 
 // ------------------------------------------------------------------------------------------------

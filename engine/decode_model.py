@@ -1,0 +1,69 @@
+"""`DecodeModel`: what a round (engine/spec.py) and the engine's session and plan bookkeeping need from a model.
+
+`engine.model.Model` (one device, or one rank's shard) is the implementation; anything else that provides
+these members can be decoded by the same round loop (tests/test_floors.py checks that Model satisfies it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .settings import EngineSettings
+    from .state import SessionState
+
+
+@runtime_checkable
+class DecodeModel(Protocol):
+    cfg: ModelConfig  # the model's shape (a rank's shard's head counts on several ranks)
+    device: torch.device
+    dtype: torch.dtype
+    has_mtp: bool  # False: the round decodes without drafts (plain greedy / sampling)
+
+    @property
+    def plan_tag(self) -> tuple:
+        """Anything beyond the batch shape that a captured plan depends on (part of the plan key)."""
+        ...
+
+    @property
+    def capturable(self) -> bool:
+        """Whether its forward passes may be captured as CUDA graphs."""
+        ...
+
+    def new_state(self, max_context: int, n_planes: int) -> SessionState:
+        """A session's state (caches, snapshot planes, round buffers) sized for this model."""
+        ...
+
+    def configure(self, settings: EngineSettings) -> None:
+        """Apply the settings that change what the model holds, at a round boundary."""
+        ...
+
+    def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
+        """The target over `ids` after the state's tokens, with host bookkeeping (prefill, refill)."""
+        ...
+
+    def forward_layers(
+        self, ids: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
+    ) -> torch.Tensor:
+        """The target's layers over T tokens at `start` (host int or device tensor): pure device work."""
+        ...
+
+    def mtp_forward(self, tokens: torch.Tensor, hiddens: torch.Tensor, start: int, state: SessionState) -> torch.Tensor:
+        """The MTP head's rows start .. start+T-1 (token r+1 with the target's hidden of position r)."""
+        ...
+
+    def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy (token, probability) per row over the first n vocabulary ids (0 = all), on the device."""
+        ...
+
+    def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        """Logits over the first `rows` vocabulary ids (0 = all)."""
+        ...
+
+    def sync(self) -> None:
+        """Wait for the device's queued work: the round's one synchronisation."""
+        ...

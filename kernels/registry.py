@@ -1,0 +1,68 @@
+"""What both halves of the kernels floor share, so that neither imports the other's module: the op names
+the dispatcher binds (`ops.py` imports `cuda.py`, never the reverse), and the fallback counter.
+
+A fallback is an op asked to run on a GPU that took its PyTorch reference instead: CuPy missing or broken
+(every op), or a shape, dtype or layout its kernel does not cover (that call). Each is counted per op and
+reported once per op (a warning on the `specdeck.kernels` logger, which reaches stderr when the application
+configures no logging); the engine puts the counts in its run stats as `stats["fallbacks"]`. The counts are
+of Python calls: a captured plan that contains a fallback counts it when captured, not at each replay.
+Choices made on purpose are not fallbacks: CPU tensors (the reference is the CPU implementation), the chunked
+delta rule of prefill, and prefill-sized attention with a host-side start (the reference's GEMMs win there).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+NAMES = (
+    "rmsnorm",
+    "add_rmsnorm",
+    "gated_rmsnorm",
+    "attn_prep",
+    "silu_mul",
+    "gdn_gates",
+    "attention_cached",
+    "conv_update",
+    "gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "argmax_prob",
+    "greedy_accept",
+    "sample_probs",
+    "sample_token",
+    "spec_accept",
+)
+
+# Ops that are the reference on every device, by design (not fallbacks).
+REFERENCE_ONLY = frozenset({"chunk_gated_delta_rule"})
+
+_log = logging.getLogger("specdeck.kernels")
+_lock = threading.Lock()
+_counts: dict[str, int] = {}
+
+
+def on_gpu(first: Any) -> bool:
+    """Whether a call whose first tensor is `first` was meant for a GPU kernel (a seam for CPU tests)."""
+    return bool(getattr(first, "is_cuda", False))
+
+
+def count_fallback(op: str, reason: str) -> None:
+    """Count one fallback of `op`; the first one of each op is logged with `reason`."""
+    with _lock:
+        first = op not in _counts
+        _counts[op] = _counts.get(op, 0) + 1
+    if first:
+        _log.warning("%s ran as its PyTorch reference on a GPU (%s); later fallbacks are only counted", op, reason)
+
+
+def fallbacks() -> dict[str, int]:
+    """Fallbacks so far in this process, per op ({} when every GPU call ran its kernel)."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_fallbacks() -> None:
+    """Forget the counts (and report each op's next fallback again)."""
+    with _lock:
+        _counts.clear()

@@ -1,0 +1,104 @@
+"""Every CUDA kernel's typed launch builder (kernels/launch_args.py) matches the kernel's parameter list in
+kernels/cuda_src/*.cu: the same names, in the same order, with the same C types. Runs on the CPU: it parses
+the sources (expanding the macros that stamp out kernel families) and never compiles them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels import launch_args as la
+
+SRC = Path(__file__).resolve().parent.parent / "kernels" / "cuda_src"
+_KERNEL = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(([^)]*)\)'
+)
+_DEFINE = re.compile(r"^#define\s+(\w+)\(([^)]*)\)(.*)$", re.M)
+
+
+def _expand(text: str) -> str:
+    """The source with every kernel-defining macro's uses expanded (##-pasting included) and the
+    definitions themselves dropped; enough of a preprocessor for `extern "C"` signatures."""
+    text = re.sub(r"\\\n", " ", text)
+    macros = {}
+    for m in _DEFINE.finditer(text):
+        if "__global__" in m.group(3):
+            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",")], m.group(3))
+    body = _DEFINE.sub(lambda m: "" if m.group(1) in macros else m.group(0), text)
+    out = [body]
+    for name, (params, template) in macros.items():
+        for use in re.finditer(rf"^{name}\(([^)]*)\)", body, re.M):
+            args = [a.strip() for a in use.group(1).split(",")]
+            assert len(args) == len(params), name
+            expanded = template
+            for p, a in zip(params, args, strict=True):
+                expanded = re.sub(rf"\b{p}\b", a, expanded)
+            out.append(re.sub(r"\s*##\s*", "", expanded))
+    return "\n".join(out)
+
+
+def _ctype(decl: str) -> tuple[str, type]:
+    words = [w for w in re.sub(r"\*", " * ", decl).split() if w not in ("const", "__restrict__")]
+    name, ctype = words[-1], " ".join(words[:-1])
+    if "*" in ctype:
+        return name, la.Ptr
+    return name, la.CTYPES[ctype]
+
+
+def cuda_signatures() -> dict[str, list[tuple[str, type]]]:
+    sigs: dict[str, list[tuple[str, type]]] = {}
+    for path in sorted(SRC.glob("*.cu")):
+        for m in _KERNEL.finditer(_expand(path.read_text())):
+            assert m.group(1) not in sigs, f"kernel {m.group(1)} defined twice"
+            sigs[m.group(1)] = [_ctype(p) for p in m.group(2).split(",")]
+    return sigs
+
+
+SIGS = cuda_signatures()
+
+
+def test_the_parser_sees_every_kernel_family():
+    assert len(SIGS) >= 40
+    assert {"rmsnorm_ws", "gated_rmsnorm_wf_gs", "attn_tile_e8", "conv_update_k8_wf", "gdr_dk128_bf"} <= set(SIGS)
+    assert {"sample_probs_rows", "sample_token_rows", "spec_accept_k"} <= set(SIGS)
+
+
+def test_every_kernel_has_a_builder_and_every_builder_a_kernel():
+    assert sorted(set(SIGS) - set(la.BUILDERS)) == []
+    assert sorted(set(la.BUILDERS) - set(SIGS)) == []
+
+
+@pytest.mark.parametrize("kernel", sorted(SIGS))
+def test_builder_fields_match_the_kernel_parameters(kernel):
+    assert la.field_types(la.BUILDERS[kernel]) == SIGS[kernel]
+
+
+def test_the_cuda_module_launches_only_described_kernels():
+    import kernels.cuda as kc
+
+    assert set(kc._KERNELS_PER_DTYPE) <= set(la.BUILDERS)
+    assert set(kc._SAMPLING_KERNELS) <= set(la.BUILDERS)
+
+
+def test_pack_orders_converts_and_refuses_a_foreign_kernel():
+    import numpy as np
+    import torch
+
+    t = torch.zeros(4)
+    args = la.GreedyAcceptArgs(drafts=t, probs=None, target=la.NULL, p_min=0.5, cache_len=t, out=t, n=3)
+    packed = la.pack("greedy_accept", args)
+    assert [type(v) for v in packed] == [np.uint64, np.uint64, np.uint64, np.float64, np.uint64, np.uint64, np.int32]
+    assert packed[0] == t.data_ptr() and packed[1] == 0 and packed[6] == 3
+    with pytest.raises(TypeError, match="does not describe"):
+        la.pack("argmax_combine", args)
+    with pytest.raises(TypeError):
+        la.GreedyAcceptArgs(drafts=t, probs=t, target=t, p_min=0.5, cache_len=t, out=t)  # n missing
+
+
+def test_a_reordered_parameter_would_fail():
+    """The check has teeth: swapping two parameters in a signature is seen."""
+    src = 'extern "C" __global__ void silu_mul(const float* x, long long xs, float* y, int I, int T) {}'
+    ((name, params),) = [(m.group(1), m.group(2)) for m in _KERNEL.finditer(_expand(src))]
+    assert [_ctype(p) for p in params.split(",")] != la.field_types(la.BUILDERS[name])
