@@ -264,3 +264,19 @@ def test_two_gpus_equal_one(model_dir, single, greedy):
             assert out.stats["plan_hits"] > 0 or not settings.chain
     finally:
         _close(tp)
+
+
+def test_a_process_group_that_cannot_be_set_up_is_one_line_naming_it(monkeypatch):
+    import torch.distributed as dist
+
+    from engine.workers import init_group
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("connect() timed out.\nmore detail")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    with pytest.raises(EngineError) as err:
+        init_group(0, 2, 1, torch.device("cpu"), 100)
+    message = str(err.value)
+    assert "gloo process group of 2 devices could not be set up on rank 0" in message
+    assert "connect() timed out" in message and "\n" not in message
