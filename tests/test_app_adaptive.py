@@ -72,3 +72,18 @@ def test_memory_of_every_rank_in_the_window(qtbot, window):
     window.plots.redraw(force_ranges=True)
     text = window.plots.memory_label.text()
     assert "cuda:0 1.0" in text and "cuda:1 2.0" in text  # components only, not the process figure
+
+
+def test_the_window_on_two_ranks_runs_and_shows_every_ranks_memory(qtbot, window):
+    """The app split over two devices (two CPU ranks here, as the GPU test machine would have two GPUs):
+    a run goes through, the model line says so, and the memory label lists both ranks' own counts."""
+    combo = window.run_panel.device_combo
+    combo.addItem("two CPU ranks (tensor parallel)", "cpu,cpu")
+    combo.setCurrentIndex(combo.count() - 1)
+    start_run(qtbot, window, repeat=False, tokens=16)
+    qtbot.waitUntil(lambda: window.state == "idle", timeout=RUN_TIMEOUT_MS)
+    assert window.model_info["devices"] == ["cpu (rank 0)", "cpu (rank 1)"]
+    assert "split over 2 devices" in window.model_label.text()
+    window.plots.redraw(force_ranges=True)
+    text = window.plots.memory_label.text()
+    assert "cpu (rank 0)" in text and "cpu (rank 1)" in text
