@@ -177,6 +177,19 @@ def _shrinkable(label: pg.LabelItem) -> None:
     label.updateMin = update_min
     update_min()
 
+    # A text wider than the space it got is scaled down to fit (never up), not cut at the edges.
+    original_resize = label.resizeEvent
+
+    def resize_event(ev: Any) -> None:
+        natural = label.item.boundingRect().width()
+        available = label.rect().width()
+        scale = min(1.0, available / natural) if natural > 0 and available > 0 else 1.0
+        if abs(label.item.scale() - scale) > 1e-3:
+            label.item.setScale(scale)
+        original_resize(ev)
+
+    label.resizeEvent = resize_event
+
 
 def settings_change_label(before: Any, after: Any) -> str:
     """'depth 3→5, chain on' for two EngineSettings values."""

@@ -937,6 +937,12 @@ class MainWindow(QMainWindow):
         if getattr(self, "_shut_down", False):
             return
         self._shut_down = True
+        try:  # the application outlives the window: no signal of its own may reach a closed one
+            from PySide6.QtGui import QGuiApplication
+
+            QGuiApplication.styleHints().colorSchemeChanged.disconnect(self._on_system_scheme_changed)
+        except (AttributeError, RuntimeError, TypeError):
+            pass
         if self.remember:
             self._save_state()
         self.tune_runner.cancel()

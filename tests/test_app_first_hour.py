@@ -422,3 +422,17 @@ def test_the_first_rounds_of_a_run_are_drawn_at_once(qtbot, window):
     plots.add_rounds(_updates(3, 1.1))
     plots._on_timer()  # later rounds wait for the interval (the plots' share of time is capped)
     assert plots.frames_drawn == frames + 1
+
+
+def test_a_title_too_long_for_its_plot_is_scaled_to_fit_not_cut(qtbot, window):
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280)
+    plot = window.plots.length_plot
+    plot.setTitle("<b>Accepted length (tokens/round)</b>" + " — a key that makes the title far too long" * 3)
+    qtbot.wait(20)
+    label = plot.titleLabel
+    shown = label.mapRectFromItem(label.item, label.item.boundingRect())
+    assert label.item.scale() < 1.0
+    assert shown.width() <= label.rect().width() + 1 and shown.left() >= -1
+    plot.setTitle("<b>Short</b>")
+    assert label.item.scale() == 1.0
