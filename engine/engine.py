@@ -27,7 +27,7 @@ from .plans import PlanPool
 from .sampling import SamplingParams, active
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import check_fits, prefill, run_round
-from .state import Session
+from .state import Session, session_bytes
 from .stats import RoundEvent, RunStats
 from .tokenizer import Tokenizer
 from .untrusted import one_line
@@ -137,6 +137,24 @@ class _StreamText:
         if full.endswith("\n"):
             self.line, self.shown = [], 0
         return text
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free for a new session on `device` (CUDA: the device's free memory; CPU: the system's
+    available memory), or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def process_bytes(device: torch.device) -> int:
@@ -451,8 +469,23 @@ class Engine:
         check_fits(self.model, settings)
 
     # ---- sessions -------------------------------------------------------------------------------
+    def _check_session_fits(self) -> None:
+        need = session_bytes(self.model.cfg, self.model.dtype, self.max_context, self.n_planes, self.model.has_mtp)
+        free = free_bytes(self.model.device)
+        total = sum(need.values())
+        if free is not None and total > free:
+            gib = 2**30
+            raise EngineError(
+                f"not enough memory on {self.model.device} for a session of max_context {self.max_context}: it "
+                f"needs {total / gib:,.1f} GiB (KV cache {need['kv_cache'] / gib:,.1f} GiB, snapshot planes "
+                f"{need['snapshot_planes'] / gib:,.1f} GiB, hidden rows {need['workspace'] / gib:,.1f} GiB) and "
+                f"{free / gib:,.1f} GiB is free; load with a smaller max_context"
+            )
+
     def new_session(self, settings: EngineSettings | None = None, sid: int | None = None) -> Session:
-        """A new independent conversation (on several devices: on every rank, under one id)."""
+        """A new independent conversation (on several devices: on every rank, under one id). A context that
+        cannot fit in the device's free memory is refused before anything is allocated."""
+        self._check_session_fits()
         try:
             state = self.model.new_state(self.max_context, self.n_planes)
         except (torch.OutOfMemoryError, RuntimeError) as exc:

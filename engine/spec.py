@@ -66,22 +66,32 @@ class RoundOutcome:
     host_after_s: float = 0.0
 
 
-def prefill(model: DecodeModel, state: SessionState) -> int:
-    """Bring the target up to N-1 consumed tokens (the prompt minus its last token). Returns tokens fed."""
+PREFILL_CHUNK = 2048  # prompt tokens per forward pass: peak memory of a prefill stays that of one chunk
+
+
+def prefill(model: DecodeModel, state: SessionState, chunk: int | None = None) -> int:
+    """Bring the target up to N-1 consumed tokens (the prompt minus its last token), `chunk` tokens per pass:
+    each pass carries the KV cache and the recurrent state on, so the memory a prefill needs beyond the
+    session's own buffers does not grow with the prompt. Returns tokens fed."""
+    chunk = chunk or PREFILL_CHUNK
     n = len(state.tokens)
     todo = state.tokens[state.target_len : n - 1]
     if not todo:
         return 0
-    start = state.target_len
-    ids = torch.tensor(todo, dtype=torch.long, device=model.device)
-    hidden = model.forward(ids, state)
-    state.hidden[start : start + len(todo)] = hidden
+    for lo in range(0, len(todo), chunk):
+        start = state.target_len
+        ids = torch.tensor(todo[lo : lo + chunk], dtype=torch.long, device=model.device)
+        hidden = model.forward(ids, state)
+        state.hidden[start : start + ids.shape[0]] = hidden
+        del hidden
     # The MTP head catches up over the prompt here too (all pending rows but the last, which the first
     # draft step takes), so the first decode round has the same small shape as every other round.
     first, last = state.mtp_len, n - 2
     if model.has_mtp and last > first:
-        toks = torch.tensor(state.tokens[first + 1 : last + 1], dtype=torch.long, device=model.device)
-        model.mtp_forward(toks, state.hidden[first:last], first, state)
+        for a in range(first, last, chunk):
+            b = min(a + chunk, last)
+            toks = torch.tensor(state.tokens[a + 1 : b + 1], dtype=torch.long, device=model.device)
+            model.mtp_forward(toks, state.hidden[a:b], a, state)
         state.mtp_len = last
     return len(todo)
 

@@ -34,6 +34,22 @@ if TYPE_CHECKING:
     from .sampling import SamplingBuffers
 
 
+def session_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, max_context: int, n_planes: int, has_mtp: bool
+) -> dict[str, int]:
+    """What a session of `max_context` tokens allocates, by component, computed from the config alone
+    (so that a context that cannot fit is refused before anything is allocated)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    full = sum(1 for t in cfg.layer_types if t == "full_attention")
+    linear = sum(1 for t in cfg.layer_types if t == "linear_attention")
+    n_mtp = cfg.mtp_num_hidden_layers if has_mtp else 0
+    kv = (full + n_mtp) * 2 * max_context * cfg.num_key_value_heads * cfg.head_dim * size
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    planes = linear * n_planes * (hv * dk * dv * 4 + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * size)
+    workspace = max_context * cfg.hidden_size * size + 3 * max_context * 8  # hidden rows, staging, offsets
+    return {"kv_cache": kv, "snapshot_planes": planes, "workspace": workspace}
+
+
 class SessionState:
     """All mutable state of one sequence. Buffers are allocated once, for `max_context` tokens."""
 

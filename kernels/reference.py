@@ -70,6 +70,9 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[start : start + t] = v
 
 
+QUERY_BLOCK = 64  # attention_cached: query rows whose scores are held at once
+
+
 def attention_cached(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -92,12 +95,19 @@ def attention_cached(
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=0)
         v = v.repeat_interleave(hq // hkv, dim=0)
-    scores = torch.matmul(q.transpose(0, 1).float(), k.float().transpose(1, 2)) * scale  # [Hq, T, total]
-    q_pos = torch.arange(start, total, device=q.device)[:, None]
+    kf, vf = k.float(), v.float()
     k_pos = torch.arange(total, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [Hq, T, D]
+    qf = q.transpose(0, 1).float()  # [Hq, T, D]
+    out = torch.empty((hq, t, d), dtype=torch.float32, device=q.device)
+    # Query rows in blocks: each row's softmax is the same as over all rows at once, and the scores held
+    # at a time are [Hq, block, total], not [Hq, T, total] (a long prompt would need T x total).
+    for r0 in range(0, t, QUERY_BLOCK):
+        r1 = min(t, r0 + QUERY_BLOCK)
+        scores = torch.matmul(qf[:, r0:r1], kf.transpose(1, 2)) * scale  # [Hq, rows, total]
+        q_pos = torch.arange(start + r0, start + r1, device=q.device)[:, None]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[:, r0:r1] = torch.matmul(torch.softmax(scores, dim=-1), vf)
+        del scores
     out = out.transpose(0, 1).to(q.dtype)
     return out if gate is None else out * torch.sigmoid(gate)
 
