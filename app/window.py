@@ -254,6 +254,7 @@ class MainWindow(QMainWindow):
         from app.tune_panel import TuneRunner
 
         self.tune_runner = TuneRunner(self.worker)
+        self._fallbacks_shown: dict = {}
         self.tune_panel = self.bench_tab.tune_panel
         self.tune_panel.start_requested.connect(self.start_tune)
         # Direct: the runner lives on the engine thread, which is busy with the tune it should cancel.
@@ -571,6 +572,11 @@ class MainWindow(QMainWindow):
     def _on_run_finished(self, finished: RunFinished) -> None:
         if finished.stats:
             self.last_run = finished
+            fallbacks = finished.stats.get("fallbacks") or {}
+            if fallbacks and fallbacks != self._fallbacks_shown:  # said once per new set, not every run
+                self._fallbacks_shown = dict(fallbacks)
+                ops = ", ".join(f"{op} ({n})" for op, n in sorted(fallbacks.items()))
+                self.show_message(f"On the GPU, these ops ran as their slower PyTorch references: {ops}")
         repeat = (
             self.run_panel.repeat.isChecked()
             and not self._stopping

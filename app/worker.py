@@ -427,11 +427,8 @@ def leave_a_core_for_the_window() -> None:
 
 
 def _fitted(settings: Any, sub_vocab_fraction: float | None, vocab_size: int) -> Any:
-    """The settings for a model of this vocabulary: sub_vocab scaled from the profile's fraction, or
-    reset to the whole vocabulary when it is larger (the rule of Profile.settings_for)."""
-    from engine.profiles import Profile
-
-    return Profile(name="", settings=settings, sub_vocab_fraction=sub_vocab_fraction).settings_for(vocab_size)
+    """The settings for a model of this vocabulary (EngineSettings.fitted_to, the one rule)."""
+    return settings.fitted_to(vocab_size, sub_vocab_fraction)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -111,16 +111,8 @@ class Profile:
     sampling: SamplingParams | None = None  # None: no [sampling] table (sampling left as it is; greedy by default)
 
     def settings_for(self, vocab_size: int) -> EngineSettings:
-        """The settings for a model with this vocabulary size (sub_vocab_fraction scaled to it)."""
-        if self.sub_vocab_fraction is None:
-            if self.settings.sub_vocab > vocab_size:
-                # A count tuned on a bigger model: the whole vocabulary is the closest meaning.
-                return self.settings.replace(sub_vocab=0)
-            return self.settings
-        sub_vocab = max(1, round(self.sub_vocab_fraction * vocab_size))
-        if sub_vocab >= vocab_size:
-            sub_vocab = 0  # 0 means "the whole vocabulary"
-        return self.settings.replace(sub_vocab=sub_vocab)
+        """The settings for a model with this vocabulary size (EngineSettings.fitted_to, the one rule)."""
+        return self.settings.fitted_to(vocab_size, self.sub_vocab_fraction)
 
     def to_toml_dict(self) -> dict[str, Any]:
         settings = self.settings.to_dict()

@@ -87,3 +87,10 @@ def test_the_window_on_two_ranks_runs_and_shows_every_ranks_memory(qtbot, window
     window.plots.redraw(force_ranges=True)
     text = window.plots.memory_label.text()
     assert "cpu (rank 0)" in text and "cpu (rank 1)" in text
+
+
+def test_fallbacks_to_reference_ops_are_said_in_the_status_bar(qtbot, window):
+    from app.worker import RunFinished
+
+    window._on_run_finished(RunFinished(1, {"fallbacks": {"attention_cached": 3}, "generated": 1}, "length", 0.1))
+    assert "attention_cached (3)" in window.statusBar().currentMessage()
