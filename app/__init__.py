@@ -10,11 +10,16 @@ only through Engine.load / stream / session.settings / session.cancel and the Ro
     plots.py         live run plots redrawn from ring buffers on a timer
     output_view.py   the streamed text, accepted draft tokens highlighted
     monitor.py       NVML + /proc sampler on its own thread, and the GPU monitor tab
-    profiles_view.py the profiles tab (files handled by engine.profiles)
-    bench_tab.py     A/B bench of two profiles (engine.bench, the same code as `specdeck bench`)
+    profiles_view.py the profiles tab (files handled by app.profiles)
+    bench_tab.py     A/B bench of two profiles (app.bench, the same code as `specdeck bench`)
     qt_compat.py     a guard against a PySide6 6.12.0 refcount bug on Python 3.11
 """
 
-from app.qt_compat import guard_singleton_refcounts
+try:  # the window's guard; the command line's services (cli, profiles, bench, tune) also run without Qt
+    import PySide6  # noqa: F401
+except ImportError:
+    pass
+else:
+    from app.qt_compat import guard_singleton_refcounts
 
-guard_singleton_refcounts()
+    guard_singleton_refcounts()

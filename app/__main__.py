@@ -1,7 +1,7 @@
-"""`python -m app` opens the window (same as `specdeck`)."""
+"""`python -m app` is the `specdeck` command (bare: the window)."""
 
 import sys
 
-from app.main import run_app
+from app.cli import main
 
-sys.exit(run_app(sys.argv))
+sys.exit(main())

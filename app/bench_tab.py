@@ -2,7 +2,7 @@
 table format, with a bar chart beside it (tokens/s per workload, the spread of the rounds as
 error bars) and optionally a saved bench (JSON) drawn as outlines beside the bars for comparison.
 
-It runs engine.bench.run_bench on the engine thread (the same code path as `specdeck bench`):
+It runs app.bench.run_bench on the engine thread (the same code path as `specdeck bench`):
 arms alternate (A,B then B,A), each run on a reset session, one untimed warm-up per arm. The
 result is the report's own format_tables(); output hashes per arm are shown with a warning when
 the arms' texts differ (speculation must never change the text).
@@ -42,7 +42,7 @@ from PySide6.QtWidgets import (
 
 from app import theme
 from app.plots import SERIES_COLORS, _shrinkable, _style_plot
-from engine.profiles import Profile
+from app.profiles import Profile
 
 # Per arm: {workload or "mixed avg": (mean, min, max)} tokens/s.
 Figures = dict[str, dict[str, tuple[float, float, float]]]

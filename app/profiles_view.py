@@ -1,6 +1,6 @@
 """The Profiles tab: named settings with notes, hardware fingerprint and last bench figures.
 
-The files themselves are handled by engine.profiles (no Qt there, the CLI uses it too); this tab
+The files themselves are handled by app.profiles (no Qt there, the CLI uses it too); this tab
 only lists them and asks the user for names and paths. Bad files are listed by file name and
 field under the list, and skipped.
 """
@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.profiles import Profile, ProfileError, ProfileStore, hardware_fingerprint
+from app.profiles import Profile, ProfileError, ProfileStore, hardware_fingerprint
 from engine.settings import EngineSettings
 
 

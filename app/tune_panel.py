@@ -1,7 +1,7 @@
 """The Tune panel (in the Bench tab): a staged autotune of the loaded model, on the engine's thread.
 
 Start -> `TuneRunner` (a QObject living on the EngineWorker's thread, so the engine is only ever used
-there) runs `engine.tune.run_tune` with the panel's budget and workloads; every finished cell comes back
+there) runs `app.tune.run_tune` with the panel's budget and workloads; every finished cell comes back
 as a signal and is added to the table, with a progress bar over the budget and the time left. Cancel
 stops at the next pass and keeps the finished cells. At the end the winner is saved as a profile that
 holds its measured figures and the hardware it was measured on.
@@ -67,7 +67,7 @@ class TuneRunner(QObject):
             self.finished.emit(None)
             return
         try:
-            from engine.tune import run_tune
+            from app.tune import run_tune
 
             report = run_tune(
                 self.worker.engine,

@@ -39,6 +39,13 @@ from app.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_mo
 from app.monitor import MonitorSample, MonitorSampler, MonitorTab
 from app.output_view import OutputView
 from app.plots import RunPlots, settings_summary
+from app.profiles import (
+    Profile,
+    ProfileStore,
+    config_dir,
+    load_last_used,
+    save_last_used,
+)
 from app.profiles_view import ProfilesTab, figures_from_stats
 from app.worker import (
     BenchRequest,
@@ -48,13 +55,6 @@ from app.worker import (
     RunFinished,
     RunRequest,
     RunStarted,
-)
-from engine.profiles import (
-    Profile,
-    ProfileStore,
-    config_dir,
-    load_last_used,
-    save_last_used,
 )
 from engine.settings import EngineSettings
 from engine.untrusted import exists, is_regular_file
@@ -125,8 +125,8 @@ class MainWindow(QMainWindow):
         self._gpu_names: list[str] = []
         self.qsettings, self._state_notice = _window_state_settings()
 
+        from app.workloads import load_workloads
         from engine import EngineError, bundled_model_dir
-        from engine.workloads import load_workloads
 
         startup_problems = []
         try:
@@ -521,7 +521,7 @@ class MainWindow(QMainWindow):
         if str(info.get("device", "")).startswith("cpu"):
             import torch
 
-            count = torch.get_num_threads()  # engine.threads' rule, set by the worker before the load
+            count = torch.get_num_threads()  # app.threads' rule, set by the worker before the load
             threads = f" · {count} CPU thread{'s' if count != 1 else ''}"
         self.model_label.setText(
             f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
@@ -727,7 +727,7 @@ class MainWindow(QMainWindow):
 
     def _on_tune_finished(self, report: Any) -> None:
         """Save the winner as a profile (figures + hardware), keep the cells on screen, back to idle."""
-        from engine.tune import winner_profile
+        from app.tune import winner_profile
 
         self.state = "idle"
         self.run_panel.set_running(False)

@@ -57,7 +57,7 @@ class LoadedModel:
 @dataclass
 class RunRequest:
     key: ModelKey
-    workload: str | None  # a name from engine.workloads, or None for `prompt`
+    workload: str | None  # a name from app.workloads, or None for `prompt`
     prompt: str  # the custom prompt (used when workload is None)
     max_new_tokens: int
     settings: Any  # EngineSettings, used only when set_settings() was never called
@@ -92,7 +92,7 @@ class RunFinished:
 @dataclass
 class BenchRequest:
     key: ModelKey
-    arms: list[tuple[str, Any]]  # (arm name, engine.profiles.Profile): scaled to the model here
+    arms: list[tuple[str, Any]]  # (arm name, app.profiles.Profile): scaled to the model here
     workloads: list[str]
     rounds: int
     max_new_tokens: int
@@ -363,7 +363,7 @@ class EngineWorker(QObject):
         if request.workload is None:
             return request.prompt
         if self._workloads is None:
-            from engine.workloads import load_workloads
+            from app.workloads import load_workloads
 
             self._workloads = load_workloads()
         # The workload's chat form when the model has a chat template, else its base prompt.
@@ -382,7 +382,7 @@ class EngineWorker(QObject):
             self.bench_finished.emit(None)
             return
         try:
-            from engine.bench import BenchArm, run_bench
+            from app.bench import BenchArm, run_bench
 
             vocab_size = self.engine.info["vocab_size"]
             arms = [
@@ -405,12 +405,12 @@ class EngineWorker(QObject):
 
 
 def cpu_threads_for_the_engine() -> int:
-    """Intra-op threads for CPU runs in the app: engine.threads' rule, the same as the CLI's (one
+    """Intra-op threads for CPU runs in the app: app.threads' rule, the same as the CLI's (one
     core fewer than the process may use; SPECDECK_CPU_THREADS overrides). The window's thread needs
     a share of one core to draw, and a pool thread sharing that core makes every op wait for it
     (seen on a 2-core machine: rounds 10x slower with 2 threads than with 1). A bad
     SPECDECK_CPU_THREADS falls back to the default here (the CLI refuses it)."""
-    from engine.threads import cpu_threads, default_cpu_threads
+    from app.threads import cpu_threads, default_cpu_threads
 
     try:
         return cpu_threads()[0]

@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     import app  # noqa: F401 (applies the PySide6 6.12.0 guard before any signal is emitted)
+    from app.profiles import load_profile
+    from app.workloads import load_workloads
     from engine import Engine
-    from engine.profiles import load_profile
-    from engine.workloads import load_workloads
 
     qt_app = QApplication.instance() or QApplication(sys.argv[:1])  # noqa: F841 (kept alive while the window lives)
     from app.window import MainWindow

@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.bench import BenchArm, run_bench  # noqa: E402
+from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings, SamplingParams  # noqa: E402
-from engine.bench import BenchArm, run_bench  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.loader import FP32_SUFFIXES, expected_shapes  # noqa: E402
-from engine.workloads import load_workloads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth  # noqa: E402

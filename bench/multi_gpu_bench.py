@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings, bundled_model_dir  # noqa: E402
-from engine.workloads import load_workloads  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import (  # noqa: E402

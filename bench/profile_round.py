@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings  # noqa: E402
-from engine.workloads import load_workloads  # noqa: E402
 
 
 def main() -> int:

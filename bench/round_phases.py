@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.spec as spec  # noqa: E402
+from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings  # noqa: E402
-from engine.workloads import load_workloads  # noqa: E402
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings  # noqa: E402
-from engine.workloads import load_workloads  # noqa: E402
 
 
 def nvml_used_mib() -> float | None:

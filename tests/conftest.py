@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random models (written once per test session), GPU marker handling, and
 a test session that never touches the user's own settings.
 
-Before anything imports the app or engine.profiles, every place SpecDeck (and Qt) keeps settings
+Before anything imports the app or app.profiles, every place SpecDeck (and Qt) keeps settings
 is pointed into a temp dir for the whole session: SPECDECK_CONFIG_DIR, XDG_CONFIG_HOME (platformdirs
 and Qt's native settings on Linux) and QSettings' paths. An audit hook records any file this
 process writes, renames or creates under the user's real config dir; the session fails if there

@@ -89,7 +89,7 @@ class Work:
         return Engine.load(self.model() if path is None else path, **kwargs)
 
     def store(self):
-        from engine.profiles import Profile, ProfileStore
+        from app.profiles import Profile, ProfileStore
         from engine.settings import EngineSettings
 
         os.environ["SPECDECK_CONFIG_DIR"] = str(self.dir / "config")
@@ -432,7 +432,7 @@ QWEN_LIKE = (
 
 def _template(template, where: str = "tokenizer_config.json"):
     def run(w: Work):
-        from engine.workloads import load_workloads
+        from app.workloads import load_workloads
 
         path = w.model()
         if where == "tokenizer_config.json":
@@ -581,7 +581,7 @@ def _(w: Work):
         [
             os.fsencode(sys.executable),
             b"-m",
-            b"engine",
+            b"app",
             b"generate",
             b"--model",
             os.fsencode(w.model()),
@@ -604,7 +604,7 @@ def _(w: Work):
         [
             os.fsencode(sys.executable),
             b"-m",
-            b"engine",
+            b"app",
             b"generate",
             b"--model",
             b"/no/such/\xff\xfe",
@@ -713,7 +713,7 @@ for how, expect in (
 
 @case("profile/long-name-saves-with-a-short-file-name")
 def _(w: Work):
-    from engine.profiles import Profile, read_profile_file
+    from app.profiles import Profile, read_profile_file
     from engine.settings import EngineSettings
 
     store = w.store()
@@ -724,7 +724,7 @@ def _(w: Work):
 
 @case("profile/name-too-long", "at most 1000 characters")
 def _(w: Work):
-    from engine.profiles import Profile
+    from app.profiles import Profile
     from engine.settings import EngineSettings
 
     w.store().save(Profile(name="n" * 100_000, settings=EngineSettings()))
@@ -732,7 +732,7 @@ def _(w: Work):
 
 @case("profile/name-lone-surrogate", "not valid Unicode")
 def _(w: Work):
-    from engine.profiles import Profile
+    from app.profiles import Profile
     from engine.settings import EngineSettings
 
     w.store().save(Profile(name="x\udcff", settings=EngineSettings()))
@@ -740,7 +740,7 @@ def _(w: Work):
 
 @case("profile/full-disk-keeps-the-old-file")
 def _(w: Work):
-    from engine import profiles as P
+    from app import profiles as P
     from engine.settings import EngineSettings
 
     store = w.store()
@@ -762,7 +762,7 @@ def _(w: Work):
 
 @case("profile/read-only-folder", "cannot write .* in .*")
 def _(w: Work):
-    from engine import profiles as P
+    from app import profiles as P
     from engine.settings import EngineSettings
 
     store = w.store()
@@ -778,7 +778,7 @@ def _(w: Work):
 def _(w: Work):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; import time\n"
-        "from engine.profiles import Profile, ProfileStore; from engine.settings import EngineSettings\n"
+        "from app.profiles import Profile, ProfileStore; from engine.settings import EngineSettings\n"
         "s = ProfileStore(Path(sys.argv[2]), shipped_dir=None); k = int(sys.argv[3]); t = float(sys.argv[4])\n"
         "while time.time() < t: time.sleep(0.001)\n"
         "for i in range(12): s.save(Profile(name=(f'Race {i}' if k % 2 else f'race-{i}') + f' {k // 2}', settings=EngineSettings()))\n"
@@ -790,7 +790,7 @@ def _(w: Work):
         for k in range(4)
     ]
     assert all(p.wait(120) == 0 for p in procs)
-    from engine.profiles import ProfileStore
+    from app.profiles import ProfileStore
 
     profiles, problems = ProfileStore(directory, shipped_dir=None).list()
     assert len(profiles) == 48 and not problems, (len(profiles), problems)
@@ -798,7 +798,7 @@ def _(w: Work):
 
 def _last_used(data: bytes | None, how: str = ""):
     def run(w: Work):
-        from engine import profiles as P
+        from app import profiles as P
 
         os.environ["SPECDECK_CONFIG_DIR"] = str(w.dir / "config")
         path = P.last_used_path()

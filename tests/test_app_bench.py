@@ -17,7 +17,7 @@ from conftest_app import (  # noqa: F401 (fixtures)
 )
 from PySide6.QtCore import Qt
 
-from engine.profiles import Profile
+from app.profiles import Profile
 from engine.settings import EngineSettings
 
 

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from engine.profiles import Profile, ProfileError, ProfileStore
+from app.profiles import Profile, ProfileError, ProfileStore
 from engine.settings import EngineSettings
 
 

@@ -36,7 +36,7 @@ def test_the_first_launch_selects_a_real_workload_and_run_works_at_once(qtbot, m
     with qtbot.waitSignal(window.run_finished, timeout=RUN_TIMEOUT_MS) as blocker:
         qtbot.mouseClick(window.run_panel.run_button, Qt.MouseButton.LeftButton)
     assert blocker.args[0].stop_reason in ("length", "eos") and window.last_error is None
-    from engine.threads import default_cpu_threads
+    from app.threads import default_cpu_threads
 
     assert window.model_label.text().endswith(
         f"· {default_cpu_threads()} CPU thread" + "s" * (default_cpu_threads() != 1)
@@ -221,8 +221,8 @@ def test_run_bench_says_why_it_is_greyed(qtbot, window):
 
 
 def test_the_bench_chart_shows_bars_with_spread_and_a_saved_bench_beside_them(qtbot, window, tmp_path):
+    from app.bench import BenchArm, BenchReport, BenchRow
     from app.bench_tab import figures_from_json, figures_from_report
-    from engine.bench import BenchArm, BenchReport, BenchRow
 
     arms = [BenchArm("control", EngineSettings(chain=False)), BenchArm("chain", EngineSettings())]
     report = BenchReport(arms, ["code_gen", "prose"], 2, 8)

@@ -19,7 +19,7 @@ from conftest_app import (  # noqa: F401 (fixtures)
     window,
 )
 
-from engine.profiles import SHIPPED_PROFILES_DIR, read_profile_file
+from app.profiles import SHIPPED_PROFILES_DIR, read_profile_file
 
 SHIPPED_NAMES = sorted((read_profile_file(f).name for f in SHIPPED_PROFILES_DIR.glob("*.toml")), key=str.casefold)
 

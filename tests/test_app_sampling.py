@@ -57,8 +57,8 @@ def test_a_profile_saved_in_the_app_carries_the_sampling(window, monkeypatch):
 
 
 def test_a_bench_arm_from_a_sampled_profile_samples(qtbot, window):
+    from app.profiles import Profile
     from engine import EngineSettings
-    from engine.profiles import Profile
 
     sp = SamplingParams(temperature=2.0, seed=1)
     window.store.save(Profile(name="hot", settings=EngineSettings(draft_depth=2), sampling=sp))

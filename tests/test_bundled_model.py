@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.workloads import load_workloads
 from engine import Engine, EngineSettings, bundled_model_dir
-from engine.workloads import load_workloads
 
 N_NEW = 48
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from engine import profiles as P
-from engine.bench import BenchArm, BenchReport, BenchRow
-from engine.cli import main, user_wording
+from app import profiles as P
+from app.bench import BenchArm, BenchReport, BenchRow
+from app.cli import main, user_wording
+from app.threads import THREADS_ENV, apply_cpu_threads, cpu_threads, default_cpu_threads, usable_cores
 from engine.settings import EngineSettings
-from engine.threads import THREADS_ENV, apply_cpu_threads, cpu_threads, default_cpu_threads, usable_cores
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def test_screenshot_prints_no_qt_noise(tmp_path, tiny_model_dir):
     out = tmp_path / "shot.png"
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", SPECDECK_CPU_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "screenshot", str(out), "--model", str(tiny_model_dir), "-n", "8"],
+        [sys.executable, "-m", "app", "screenshot", str(out), "--model", str(tiny_model_dir), "-n", "8"],
         capture_output=True,
         text=True,
         env=env,

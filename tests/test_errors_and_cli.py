@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from tiny_models import write_tiny_model
 
+from app.cli import main
 from engine import Engine, EngineError, EngineSettings, ModelLoadError
-from engine.cli import main
 
 
 @pytest.fixture()
@@ -184,7 +184,7 @@ def test_cli_generate_json_matches_engine(tiny_model_dir, tiny_engine, capsys):
 
 def test_cli_bad_model_is_one_line_no_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "engine", "generate", "--model", str(tmp_path / "none"), "--prompt", "x"],
+        [sys.executable, "-m", "app", "generate", "--model", str(tmp_path / "none"), "--prompt", "x"],
         capture_output=True,
         text=True,
     )
@@ -194,7 +194,7 @@ def test_cli_bad_model_is_one_line_no_traceback(tmp_path):
 
 
 def test_cli_version():
-    proc = subprocess.run([sys.executable, "-m", "engine", "--version"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "app", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("specdeck ")
 
 
@@ -212,7 +212,7 @@ def test_cli_bench_prints_the_seed_tables(tiny_model_dir, tmp_path, capsys):
 
 
 def test_workloads_use_the_chat_template_when_the_model_has_one(model_copy):
-    from engine.workloads import load_workloads
+    from app.workloads import load_workloads
 
     template = (  # the shape of Qwen's template
         "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"

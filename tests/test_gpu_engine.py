@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
+from app.workloads import load_workloads
 from engine import Engine, EngineSettings
-from engine.workloads import load_workloads
 
 pytestmark = pytest.mark.gpu
 N_NEW = 40

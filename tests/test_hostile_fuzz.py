@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import BASE_CONFIG
 
-from engine import profiles as P
+from app import profiles as P
+from app.profiles import Profile, ProfileError
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.profiles import Profile, ProfileError
 from engine.settings import EngineSettings
 
 SECONDS = 1.0  # per example

@@ -289,7 +289,7 @@ QWEN_LIKE = (
 
 
 def _prompt_error(model: Path, template) -> str:
-    from engine.workloads import load_workloads
+    from app.workloads import load_workloads
 
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     eng = Engine.load(model)
@@ -345,7 +345,7 @@ def test_a_looping_chat_template_stops_at_the_time_limit(model, monkeypatch):
 
 
 def test_the_hf_list_form_of_chat_template_uses_default(model):
-    from engine.workloads import load_workloads
+    from app.workloads import load_workloads
 
     listed = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": QWEN_LIKE}]
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": listed}))

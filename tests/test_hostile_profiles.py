@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import profiles as P
-from engine.profiles import Profile, ProfileError, ProfileStore
+from app import profiles as P
+from app.profiles import Profile, ProfileError, ProfileStore
 from engine.settings import EngineSettings
 
 GOOD = """\

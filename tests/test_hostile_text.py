@@ -137,7 +137,7 @@ def test_many_dropped_streams_never_wedge_the_default_session(tiny_engine):
 def test_non_utf8_bytes_on_the_command_line_are_one_clear_line(tiny_model_dir):
     """A prompt byte that is not UTF-8 reaches Python as a lone surrogate (surrogateescape): the CLI says
     where, in one line, with no traceback."""
-    args = [os.fsencode(sys.executable), b"-m", b"engine", b"generate", b"--model", os.fsencode(tiny_model_dir)]
+    args = [os.fsencode(sys.executable), b"-m", b"app", b"generate", b"--model", os.fsencode(tiny_model_dir)]
     env = dict(os.environ, PYTHONPATH=os.getcwd(), LC_ALL="C.UTF-8")
     proc = subprocess.run([*args, b"--prompt", b"def f\xff():", b"-n", b"4"], capture_output=True, env=env, timeout=120)
     err = proc.stderr.decode("utf-8", "replace")

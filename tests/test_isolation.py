@@ -13,7 +13,7 @@ from conftest_app import app_config, make_window, one_torch_thread, window  # no
 
 
 def test_the_config_dir_resolves_under_the_sessions_temp_dir():
-    from engine.profiles import ProfileStore, config_dir, last_used_path
+    from app.profiles import ProfileStore, config_dir, last_used_path
 
     root = conftest.TEST_ROOT
     assert config_dir().resolve().is_relative_to(root)
@@ -37,7 +37,7 @@ def test_a_window_that_remembers_writes_only_into_the_temp_dir(qtbot):
     window.knobs.draft_depth.setValue(4)
     window.shutdown()  # saves last_used.toml and window.ini
     assert Path(window.qsettings.fileName()).resolve().is_relative_to(conftest.TEST_ROOT)
-    from engine.profiles import last_used_path
+    from app.profiles import last_used_path
 
     assert last_used_path().exists() and last_used_path().resolve().is_relative_to(conftest.TEST_ROOT)
     assert len(conftest.WRITES_TO_REAL_CONFIG) == writes_before

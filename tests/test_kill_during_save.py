@@ -22,7 +22,7 @@ WRITER = textwrap.dedent(
     import sys
     from pathlib import Path
     sys.path.insert(0, {root!r})
-    from engine.profiles import Profile, ProfileStore, save_last_used
+    from app.profiles import Profile, ProfileStore, save_last_used
     from engine.settings import EngineSettings
     store = ProfileStore(Path({dir!r}), shipped_dir=None)
     i = 0
@@ -38,7 +38,7 @@ WRITER = textwrap.dedent(
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 def test_kill_minus_nine_during_saves_leaves_a_whole_file(tmp_path):
-    from engine.profiles import ProfileStore, load_last_used
+    from app.profiles import ProfileStore, load_last_used
 
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, SPECDECK_CONFIG_DIR=str(tmp_path / "config"))

@@ -31,7 +31,7 @@ def _desktop_entry() -> configparser.SectionProxy:
 
 
 def _console_script() -> str:
-    (name,) = [k for k, v in PYPROJECT["project"]["scripts"].items() if v == "engine.cli:main"]
+    (name,) = [k for k, v in PYPROJECT["project"]["scripts"].items() if v == "app.cli:main"]
     return name
 
 
@@ -145,7 +145,7 @@ def test_build_dirs_are_ignored_by_git():
 def test_entry_point_calls_the_cli():
     tree = ast.parse((PKG / "entry.py").read_text(encoding="utf-8"))
     imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert any(n.module == "engine.cli" and any(a.name == "main" for a in n.names) for n in imports)
+    assert any(n.module == "app.cli" and any(a.name == "main" for a in n.names) for n in imports)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "main"]
     assert calls
 
@@ -158,13 +158,13 @@ def test_spec_bundles_assets_where_the_engine_looks():
     for name in ("tkinter", "pytest", "transformers", "cupy"):
         assert f'"{name}"' in spec
     # The engine finds assets next to its own package; in the bundle that is sys._MEIPASS/assets.
+    import app.workloads
     import engine.engine
-    import engine.workloads
 
     engine_dir = Path(engine.engine.__file__).resolve().parent
     assets = engine_dir.parent / "assets"
     assert assets == engine.engine.ASSETS
-    assert assets / "workloads" == engine.workloads.WORKLOAD_DIR
+    assert assets / "workloads" == app.workloads.WORKLOAD_DIR
 
 
 def test_built_bundle_layout_if_present():

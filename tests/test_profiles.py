@@ -1,4 +1,4 @@
-"""engine.profiles: the profile file format, its validation, and the store's operations (no Qt)."""
+"""app.profiles: the profile file format, its validation, and the store's operations (no Qt)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import profiles as P
-from engine.profiles import Profile, ProfileError, ProfileStore
+from app import profiles as P
+from app.profiles import Profile, ProfileError, ProfileStore
 from engine.settings import EngineSettings
 
 GOOD = """\

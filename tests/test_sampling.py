@@ -466,7 +466,7 @@ def test_tensor_parallel_draws_the_same_tokens(tiny_model_dir, eng):
 def test_cli_generate_samples_reproducibly(tiny_model_dir, capsys):
     import json
 
-    from engine.cli import main
+    from app.cli import main
 
     args = ["generate", "--model", str(tiny_model_dir), "--prompt", PROMPT, "-n", "12", "--json"]
     hot = ["--temperature", "4", "--top-p", "0.95", "--top-k", "50", "--min-p", "0.01", "--seed", "9"]
@@ -480,7 +480,7 @@ def test_cli_generate_samples_reproducibly(tiny_model_dir, capsys):
 
 
 def test_cli_bad_sampling_flag_is_one_line(tiny_model_dir, capsys):
-    from engine.cli import main
+    from app.cli import main
 
     assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--top-p", "1.5"]) == 2
     err = capsys.readouterr().err
@@ -490,7 +490,7 @@ def test_cli_bad_sampling_flag_is_one_line(tiny_model_dir, capsys):
 def test_cli_bench_arm_differs_in_sampling(tiny_model_dir, tmp_path, capsys):
     import json
 
-    from engine.cli import main
+    from app.cli import main
 
     js = tmp_path / "r.json"
     args = ["bench", "--model", str(tiny_model_dir), "--rounds", "1", "-n", "6", "--workloads", "prose,code_gen"]
@@ -502,13 +502,13 @@ def test_cli_bench_arm_differs_in_sampling(tiny_model_dir, tmp_path, capsys):
     assert report["arms"][1]["sampling"] == SamplingParams(temperature=0.8, seed=3).to_dict()
     assert report["arms"][1]["settings"]["draft_depth"] == 4
     with pytest.raises(ValueError, match="temperature"):
-        from engine.cli import parse_arm_sampling
+        from app.cli import parse_arm_sampling
 
         parse_arm_sampling("temperature=hot", None)
 
 
 def test_profile_sampling_part(tmp_path, monkeypatch):
-    from engine import profiles as P
+    from app import profiles as P
 
     monkeypatch.setenv(P.CONFIG_DIR_ENV, str(tmp_path / "config"))
     store = P.ProfileStore(shipped_dir=None)
@@ -519,7 +519,7 @@ def test_profile_sampling_part(tmp_path, monkeypatch):
     assert "[sampling]" in saved.path.read_text()
     store.save(P.Profile(name="cold", settings=EngineSettings()))
     assert store.get("cold").sampling is None and "[sampling]" not in store.get("cold").path.read_text()
-    from engine.cli import parse_arm_sampling
+    from app.cli import parse_arm_sampling
 
     assert parse_arm_sampling(str(saved.path), None) == sp
     good = P.Profile(name="x", settings=EngineSettings(), sampling=sp).to_toml_dict()

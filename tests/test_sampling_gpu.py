@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_sampling import chi2_critical
 
+from app.workloads import load_workloads
 from engine import Engine, EngineSettings, SamplingParams
-from engine.workloads import load_workloads
 from kernels import reference as ref
 
 pytestmark = pytest.mark.gpu

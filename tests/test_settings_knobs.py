@@ -63,7 +63,7 @@ def test_fitted_to_with_a_fraction():
 
 
 def test_fitted_to_is_the_profile_rule():
-    from engine.profiles import Profile
+    from app.profiles import Profile
 
     for sub in (0, 1, 300, 4095, 4096, 4097, 200_000):
         for fraction in (None, 0.0001, 0.1, 0.5, 0.9999, 1.0):

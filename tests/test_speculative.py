@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from app.workloads import load_workloads
 from engine import Engine, EngineSettings
 from engine.spec import prefill
-from engine.workloads import load_workloads
 
 N_NEW = 24
 GREEDY = EngineSettings(speculative=False)

@@ -235,7 +235,7 @@ def test_a_failing_worker_load_is_one_line_naming_the_worker(model_dir, single):
 
 
 def test_the_command_line_splits_over_comma_separated_devices(model_dir, greedy, capsys):
-    from engine.cli import main
+    from app.cli import main
 
     args = ["generate", "--model", str(model_dir), "--device", "cpu,cpu", "-n", "24", "--json"]
     assert main([*args, "--prompt", PROMPT]) == 0

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from app.profiles import ProfileStore
+from app.tune import run_tune, winner_profile
 from engine import EngineSettings
-from engine.profiles import ProfileStore
-from engine.tune import run_tune, winner_profile
 
 WORKLOADS = ["code_gen", "prose"]
 
@@ -54,7 +54,7 @@ def test_tune_finds_what_beats_the_default_and_a_rerun_confirms_it(tiny_engine):
     def rerun(settings: EngineSettings) -> float:
         total = 0.0
         for w in WORKLOADS:
-            from engine.workloads import load_workloads
+            from app.workloads import load_workloads
 
             sess.reset()
             prompt = load_workloads()[w].prompt_for(tiny_engine.tokenizer)
@@ -111,7 +111,7 @@ def test_a_real_clock_tune_ends_near_its_budget(tiny_engine):
 
 
 def test_specdeck_tune_on_the_command_line_reports_and_saves_the_winner(tiny_model_dir, capsys, monkeypatch, tmp_path):
-    from engine.cli import main
+    from app.cli import main
 
     monkeypatch.setenv("SPECDECK_CONFIG_DIR", str(tmp_path / "config"))
     args = ["tune", "--model", str(tiny_model_dir), "--budget-s", "3", "-n", "8", "--workloads", "code_gen"]
@@ -123,7 +123,7 @@ def test_specdeck_tune_on_the_command_line_reports_and_saves_the_winner(tiny_mod
 
 
 def test_depth_auto_on_the_command_line(tiny_model_dir, capsys):
-    from engine.cli import main
+    from app.cli import main
 
     args = ["generate", "--model", str(tiny_model_dir), "--prompt", "def main", "-n", "12", "--json"]
     assert main([*args, "--depth", "auto", "--max-depth", "4"]) == 0

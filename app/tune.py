@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .settings import EngineSettings
+from engine.settings import EngineSettings
+
 from .workloads import WORKLOAD_NAMES, load_workloads
 
 STAGE1_SHARE = 0.6

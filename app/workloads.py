@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import EngineError
+from engine.errors import EngineError
 
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "assets" / "workloads"
 WORKLOAD_NAMES = ("code_gen", "code_edit", "code_echo", "prose")
@@ -32,7 +32,7 @@ class Workload:
         render = getattr(tokenizer, "render_chat", None)
         if render is not None:  # the engine's tokenizer: sandboxed, with a time and a size limit
             return render(messages, add_generation_prompt=True)
-        from .tokenizer import render_chat
+        from engine.tokenizer import render_chat
 
         return render_chat(template, messages, True)
 

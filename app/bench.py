@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .sampling import SamplingParams
-from .settings import EngineSettings
+from engine.sampling import SamplingParams
+from engine.settings import EngineSettings
+
 from .workloads import WORKLOAD_NAMES, load_workloads
 
 

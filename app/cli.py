@@ -12,10 +12,10 @@ import re
 import sys
 from pathlib import Path
 
-from . import __version__
-from .errors import EngineError
-from .sampling import SamplingParams
-from .settings import EngineSettings
+from engine import __version__
+from engine.errors import EngineError
+from engine.sampling import SamplingParams
+from engine.settings import EngineSettings
 
 
 def depth_value(text: str) -> int | str:
@@ -214,7 +214,7 @@ def _apply_threads(a: argparse.Namespace) -> tuple[int, str]:
 
 
 def _load_engine(a: argparse.Namespace):
-    from .engine import Engine
+    from engine.engine import Engine
 
     devices = [d.strip() for d in a.device.split(",") if d.strip()]
     return Engine.load(
