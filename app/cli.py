@@ -15,7 +15,7 @@ from pathlib import Path
 from engine import __version__
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
-from engine.settings import EngineSettings
+from engine.settings import EngineSettings, knobs
 
 
 def depth_value(text: str) -> int | str:
@@ -104,26 +104,19 @@ def parse_arm_sampling(spec: str, base: SamplingParams | None) -> SamplingParams
 
 
 def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> None:
-    """The knob flags. on_top_of names what they change (bench: arm A's profile); then an unset
-    flag changes nothing and the defaults shown are EngineSettings' own."""
-    d = EngineSettings()
-
-    def default(value):
-        return argparse.SUPPRESS if on_top_of else value
-
-    p.add_argument("--no-spec", action="store_true", default=default(False), help="plain greedy decoding (no drafting)")
-    p.add_argument(
-        "--depth",
-        type=depth_value,
-        default=default(d.draft_depth),
-        help="draft depth 1..16, or auto (chosen every round from the measured acceptance and cost)",
-    )
-    p.add_argument("--max-depth", type=int, default=default(d.max_draft_depth), help="the deepest --depth auto may go")
-    p.add_argument("--p-min", type=float, default=default(d.p_min), help="stop drafting below this draft probability")
-    p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=default(d.chain), help="chained drafting")
-    p.add_argument("--sub-vocab", type=int, default=default(d.sub_vocab), help="draft over the first N ids (0 = all)")
-    p.add_argument("--plan-pool", type=int, default=default(d.plan_pool), help="CUDA graphs kept (0 = none)")
-    p.add_argument("--mirror-output", action=argparse.BooleanOptionalAction, default=default(d.mirror_output))
+    """The knob flags, one per EngineSettings field, made from the fields' descriptions (`knobs()`): a switch
+    is --flag/--no-flag, a number takes its type (the draft depth also 'auto'). on_top_of names what they
+    change (bench: arm A's profile); then an unset flag changes nothing."""
+    for knob in knobs():
+        default = argparse.SUPPRESS if on_top_of else knob.default
+        dest = knob.name
+        text = knob.help.replace("%", "%%")
+        if knob.type is bool:
+            p.add_argument(knob.flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            kind = depth_value if knob.name == "draft_depth" else knob.type
+            metavar = knob.flag.removeprefix("--").upper().replace("-", "_")
+            p.add_argument(knob.flag, dest=dest, type=kind, default=default, help=text, metavar=metavar)
     sp = SamplingParams()
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=sp.top_k, help="sample from the k most likely tokens (0 = off)")
@@ -132,26 +125,9 @@ def _add_knob_args(p: argparse.ArgumentParser, on_top_of: str | None = None) -> 
     p.add_argument("--seed", type=int, default=sp.seed, help="random seed: same seed + settings = same text")
 
 
-_FLAG_FOR_FIELD = {
-    "no_spec": ("speculative", lambda v: not v),
-    "depth": ("draft_depth", None),
-    "max_depth": ("max_draft_depth", None),
-    "p_min": ("p_min", None),
-    "chain": ("chain", None),
-    "sub_vocab": ("sub_vocab", None),
-    "mirror_output": ("mirror_output", None),
-    "plan_pool": ("plan_pool", None),
-}
-
-
 def _knob_changes(a: argparse.Namespace) -> dict[str, object]:
     """The knobs given on the command line, as EngineSettings fields."""
-    changes: dict[str, object] = {}
-    for flag, (field, convert) in _FLAG_FOR_FIELD.items():
-        if hasattr(a, flag):
-            value = getattr(a, flag)
-            changes[field] = convert(value) if convert else value
-    return changes
+    return {k.name: getattr(a, k.name) for k in knobs() if hasattr(a, k.name)}
 
 
 def _settings_from_args(a: argparse.Namespace, base: EngineSettings | None = None) -> EngineSettings:

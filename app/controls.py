@@ -29,35 +29,15 @@ from PySide6.QtWidgets import (
 )
 
 from engine.sampling import MAX_TEMPERATURE, SamplingParams
-from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings
+from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings, knobs
 
 CUSTOM_PROMPT = "Custom prompt"
 BUNDLED_MODEL = "Bundled model"
 BROWSE = "Other model folder…"
 DTYPES = ["float32", "bfloat16", "float16"]
 
-KNOB_HELP = {
-    "speculative": "Draft with the MTP head and let the target verify several tokens per round. "
-    "Off: plain greedy decoding, one target token per round (the baseline).",
-    "draft_depth": f"Tokens drafted per round (1–{MAX_DRAFT_DEPTH}). Deeper drafts pay off while "
-    "acceptance stays high. Auto: the engine picks the depth of every round from the acceptance "
-    "it measures at each draft position and the time a round takes at each depth (the Live tab "
-    "plots the depth it chose and the expected tokens/s per depth it decided from).",
-    "max_draft_depth": f"With Auto: the deepest the engine may draft (1–{MAX_DRAFT_DEPTH}).",
-    "p_min": "Stop drafting once the draft's probability of its pick falls below this "
-    "(0 = always draft the full depth).",
-    "chain": "All draft steps in one submission with the pick made on the device, returning only "
-    "(token, probability). Off: one submission per step, the full vocabulary row copied "
-    "to the host each time.",
-    "sub_vocab": "The draft scores only the first N token ids (the most common ones). The target "
-    "still checks against the full vocabulary, so the output does not change. "
-    "'all' = the full vocabulary.",
-    "mirror_output": "With several GPUs: every GPU keeps the whole LM head (one layer of extra "
-    "memory per GPU, no GPU-to-GPU traffic at each verify). Off: each GPU holds a "
-    "slice of the vocabulary.",
-    "plan_pool": "Captured plans (CUDA graphs) kept, keyed by batch width, least recently used "
-    f"dropped first (0–{MAX_PLAN_POOL}; 0 = no graphs).",
-}
+# Tooltips and the Help glossary: each knob's description, written once in EngineSettings' field metadata.
+KNOB_HELP = {k.name: k.help for k in knobs()}
 
 
 def check_model_dir(directory: str | Path) -> str | None:

@@ -44,6 +44,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import theme
+from engine.settings import knobs
 
 pg.setConfigOptions(antialias=False, useOpenGL=False, background="w", foreground="#333")
 
@@ -88,16 +89,7 @@ MARKER_LANES = (0.92, 0.79, 0.66, 0.53)
 OVERLAY_COLOR = "#888888"
 
 # Short names for marker labels: "depth 3→5", "chain on".
-KNOB_LABELS = {
-    "speculative": "speculative",
-    "draft_depth": "depth",
-    "max_draft_depth": "max depth",
-    "p_min": "p_min",
-    "chain": "chain",
-    "sub_vocab": "sub-vocab",
-    "mirror_output": "mirror",
-    "plan_pool": "pool",
-}
+KNOB_LABELS = {k.name: k.short for k in knobs()}  # from EngineSettings' field metadata
 
 
 class RingBuffer:

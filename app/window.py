@@ -56,7 +56,7 @@ from app.worker import (
     RunRequest,
     RunStarted,
 )
-from engine.settings import EngineSettings
+from engine.settings import EngineSettings, knobs
 from engine.untrusted import exists, is_regular_file
 
 ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
@@ -387,16 +387,7 @@ class MainWindow(QMainWindow):
 
     @staticmethod
     def glossary_html() -> str:
-        names = {
-            "speculative": "Speculative decoding",
-            "draft_depth": "Draft depth",
-            "max_draft_depth": "Draft depth: Auto, up to",
-            "p_min": "p_min",
-            "chain": "Chain draft steps",
-            "sub_vocab": "Sub-vocab",
-            "mirror_output": "Mirror output layer",
-            "plan_pool": "Plan pool",
-        }
+        names = {k.name: k.label for k in knobs()}
         items = "".join(
             f"<p><b>{names[k]}</b> (<code>{k}</code>): {html.escape(text)}</p>" for k, text in KNOB_HELP.items()
         )
