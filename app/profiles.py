@@ -141,6 +141,19 @@ class Profile:
 # Reading and validating
 
 
+def _check_keys(raw: dict, known: set[str], table: str, noun: str, fail, shown_known: set[str] | None = None) -> None:
+    """A [table] lists exactly the known keys: unknown ones and missing ones are each one error naming them."""
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise fail(
+            f"unknown {noun}(s) {', '.join(f'{table}.' + _short(k)[1:-1] for k in unknown[:5])}; known: "
+            f"{', '.join(sorted(shown_known or known))}"
+        )
+    missing = sorted(known - set(raw))
+    if missing:
+        raise fail(f"incomplete: missing {noun}(s) {', '.join(f'{table}.' + k for k in missing)}")
+
+
 def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     """Validate a parsed TOML mapping. Raises ProfileError naming `source` and the bad field."""
 
@@ -200,17 +213,11 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         # The deepest an adaptive depth may go acts only with draft_depth = "auto" (and profiles from
         # before it existed do not list it).
         raw_settings.setdefault("max_draft_depth", EngineSettings().max_draft_depth)
-    unknown = sorted(set(raw_settings) - _SETTING_KEYS)
-    if unknown:
-        raise fail(
-            f"unknown setting(s) {', '.join('settings.' + _short(k)[1:-1] for k in unknown[:5])}; known: "
-            f"{', '.join(sorted(_SETTING_KEYS | {SUB_VOCAB_FRACTION}))}"
-        )
     # Every setting must be listed: a profile filled in from today's defaults would silently
     # mean something else once a default changes.
-    missing = sorted(_SETTING_KEYS - set(raw_settings))
-    if missing:
-        raise fail(f"incomplete: missing setting(s) {', '.join('settings.' + k for k in missing)}")
+    _check_keys(
+        raw_settings, _SETTING_KEYS, "settings", "setting", fail, shown_known=_SETTING_KEYS | {SUB_VOCAB_FRACTION}
+    )
     try:
         settings = EngineSettings.from_dict(raw_settings)
     except ValueError as exc:
@@ -224,15 +231,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     if raw_sampling is not None:
         if not isinstance(raw_sampling, dict):
             raise fail("field 'sampling' must be a table")
-        unknown = sorted(set(raw_sampling) - _SAMPLING_KEYS)
-        if unknown:
-            raise fail(
-                f"unknown sampling setting(s) {', '.join('sampling.' + k for k in unknown)}; known: "
-                f"{', '.join(sorted(_SAMPLING_KEYS))}"
-            )
-        missing = sorted(_SAMPLING_KEYS - set(raw_sampling))
-        if missing:
-            raise fail(f"incomplete: missing sampling setting(s) {', '.join('sampling.' + k for k in missing)}")
+        _check_keys(raw_sampling, _SAMPLING_KEYS, "sampling", "sampling setting", fail)
         try:
             sampling = SamplingParams.from_dict(raw_sampling)
         except ValueError as exc:  # names the field ("top_p must be a number in (0, 1] ...")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QCheckBox,
     QGroupBox,
@@ -177,7 +177,7 @@ class TunePanel(QGroupBox):
 
     def _show_cell(self, cell: Any) -> None:
         for row in range(self.table.rowCount()):
-            if self.table.item(row, 0).data(256) is cell:  # Qt.UserRole: the cell object
+            if self.table.item(row, 0).data(Qt.ItemDataRole.UserRole) is cell:
                 break
         else:
             row = self.table.rowCount()
@@ -187,7 +187,7 @@ class TunePanel(QGroupBox):
         for col, text in enumerate(values):
             item = QTableWidgetItem(text)
             if col == 0:
-                item.setData(256, cell)
+                item.setData(Qt.ItemDataRole.UserRole, cell)
             self.table.setItem(row, col, item)
 
     def on_finished(self, report: Any, saved: Any = None) -> None:

@@ -525,7 +525,7 @@ class MainWindow(QMainWindow):
         devices = info.get("devices") or []
         if len(devices) > 1:
             self.model_label.setText(self.model_label.text() + f" · split over {len(devices)} devices")
-        note = (info.get("collectives") or {}).get("note") if isinstance(info.get("collectives"), dict) else ""
+        note = (info.get("collectives") or {}).get("note", "")
         if note:  # a split that cannot pay: said once, where the user looks after a load
             self.show_message(f"Note: {note}")
             self.model_label.setToolTip(f"{note}\n\n{self.model_label.toolTip()}")

@@ -346,9 +346,7 @@ class Engine:
             eng = cls._build_rank(spec, 0, devices)
             cluster.wait_for("loaded", 600)
             init_group(0, len(devices), cluster.port, devices[0], cluster.name_index)
-            eng.collectives = setup_collectives(
-                eng.model, eng.cfg.hidden_size, eng.model.dtype, allow_symmetric=cluster.allow_symmetric
-            )
+            eng.collectives = setup_collectives(eng.model, allow_symmetric=cluster.allow_symmetric)
             cluster.wait_for("ready", 120)
         except torch.OutOfMemoryError:
             cluster.close("the load failed")

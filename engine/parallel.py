@@ -161,11 +161,10 @@ class Group:
             return x
         import torch.distributed as dist
 
-        self.calls += 1
         rows = x.shape[0] if x.dim() > 1 else 1
         if self._symm_buf is not None and self.symm.get(rows) == "symm" and x.is_contiguous():
-            self.calls -= 1  # counted by reduce_symmetric
-            return self._symm_reduce(x)
+            return self._symm_reduce(x)  # counted by reduce_symmetric
+        self.calls += 1
         dist.all_reduce(x)
         return x
 

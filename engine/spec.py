@@ -83,7 +83,6 @@ def prefill(model: DecodeModel, state: SessionState, chunk: int | None = None) -
         ids = torch.tensor(todo[lo : lo + chunk], dtype=torch.long, device=model.device)
         hidden = model.forward(ids, state)
         state.hidden[start : start + ids.shape[0]] = hidden
-        del hidden
     # The MTP head catches up over the prompt here too (all pending rows but the last, which the first
     # draft step takes), so the first decode round has the same small shape as every other round.
     first, last = state.mtp_len, n - 2

@@ -174,6 +174,7 @@ class Session:
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self.busy = threading.Lock()  # held while a generation runs on this session
+        self.depth_controller = None  # draft_depth="auto": what the session's rounds taught it (engine/adaptive.py)
         # Tests replace the MTP head with a drafter told where to be wrong: (tokens, depth) -> drafts.
         self.test_drafter = None
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .adaptive import DepthController
 from .errors import EngineError
 
 HANG_S = 5.0  # a worker whose heartbeat is older than this is taken as hung
@@ -156,7 +157,7 @@ def split_note(model, collectives: dict) -> str:
     )
 
 
-def setup_collectives(model, hidden: int, dtype: torch.dtype, allow_symmetric: bool = True) -> dict:
+def setup_collectives(model, allow_symmetric: bool = True) -> dict:
     """CUDA: symmetric memory for decode-sized all-reduces where it beats NCCL (timed here, at load,
     inside captured graphs; the same choice on every rank). Returns a summary for `Engine.info`.
 
@@ -168,6 +169,7 @@ def setup_collectives(model, hidden: int, dtype: torch.dtype, allow_symmetric: b
         return {"all_reduce": "gloo"}
     if not allow_symmetric:
         return {"all_reduce": "nccl", "symmetric_memory": "not again in this process (first engine only)"}
+    hidden, dtype = model.cfg.hidden_size, model.dtype
     why = group.setup_symmetric(2 * 32 * hidden, dtype)  # two halves of 32 rows
     if why:
         return {"all_reduce": "nccl", "symmetric_memory": f"unavailable ({why})"}
@@ -249,14 +251,18 @@ class Cluster:
     def send(self, *msg) -> None:
         if self.closed:
             raise EngineError(f"this multi-device engine was closed ({self.closed}); load the model again")
+        self._write(pickle.dumps(msg))
+
+    def _write(self, data: bytes) -> None:
+        """A pickled message to every worker, after the drops of freed sessions queued before it."""
         with self._send_lock:
             try:
                 while self._dropped:
-                    sid = self._dropped.pop()
+                    drop = pickle.dumps(("drop", self._dropped.pop()))
                     for conn in self.conns:
-                        conn.send(("drop", sid))
+                        conn.send_bytes(drop)
                 for conn in self.conns:
-                    conn.send(msg)
+                    conn.send_bytes(data)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 self.check()
                 raise self._lost("a worker's channel closed") from None
@@ -269,16 +275,9 @@ class Cluster:
             if len(self._pickled) > 64:
                 self._pickled.clear()
             data = self._pickled[key] = pickle.dumps(("round", settings, cancelled))
-        if self.closed or self._dropped:
-            self.send("round", settings, cancelled)
-            return
-        with self._send_lock:
-            try:
-                for conn in self.conns:
-                    conn.send_bytes(data)
-            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                self.check()
-                raise self._lost("a worker's channel closed") from None
+        if self.closed:
+            raise EngineError(f"this multi-device engine was closed ({self.closed}); load the model again")
+        self._write(data)
 
     def reports(self) -> dict[str, dict[str, int]]:
         """The workers' latest memory reports (each worker sends one whenever its count changes;
@@ -426,10 +425,7 @@ def worker_main(rank, world, address, devices, source, threads, conn, beats, bui
         engine = build_rank(source, rank, [torch.device(d) for d in devices])
         conn.send(("loaded",))
         init_group(rank, world, address[0], device, address[1])
-        engine.collectives = setup_collectives(
-            engine.model, engine.cfg.hidden_size, engine.model.dtype, allow_symmetric=address[2]
-        )
-        engine.model.watch = None
+        engine.collectives = setup_collectives(engine.model, allow_symmetric=address[2])
         conn.send(("ready",))
         serve(engine, _WorkerChannel(conn, engine))
     except (EOFError, KeyboardInterrupt):
@@ -513,9 +509,6 @@ class _WorkerRounds:
             return None, True
         return settings, cancelled
 
-    def finish(self) -> None:
-        pass
-
 
 class LeaderRounds:
     """Round boundaries on rank 0: read the session's settings and cancel flag, resolve an adaptive depth
@@ -534,9 +527,7 @@ class LeaderRounds:
         self.requested = settings
         self.controller = None
         if settings.adaptive:
-            from .adaptive import DepthController
-
-            ctrl = getattr(self.sess, "depth_controller", None)
+            ctrl = self.sess.depth_controller
             if ctrl is None or ctrl.max_depth != settings.max_draft_depth:
                 ctrl = self.sess.depth_controller = DepthController(settings.max_draft_depth)
             self.controller = ctrl
