@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 PRIOR_ACCEPT = 0.7  # p_1 before anything was seen
-PRIOR_STEP_DECAY = 0.9  # an untried position: the previous one's rate times this
+PRIOR_STEP_DECAY = 1.0  # an untried position: the previous one's rate times this (optimistic: go and look)
 PRIOR_STEP_COST = 0.12  # an unmeasured depth from one measured one: +12% per step
 
 
@@ -29,7 +29,7 @@ class DepthController:
         start_depth: int = 3,
         decay: float = 0.97,
         hysteresis: float = 0.03,
-        probe_every: int = 24,
+        probe_every: int = 64,
     ) -> None:
         self.max_depth = max_depth
         self.depth = max(1, min(start_depth, max_depth))
@@ -43,6 +43,9 @@ class DepthController:
         self.rounds = 0
         self.switches = 0
         self._probe_up = True
+        self._probe_gap = 2  # rounds between probes, doubling up to probe_every
+        self._next_probe = 2
+        self._remeasure: int | None = None
         self.last_choice = self.depth
 
     # ---- what it learned ----------------------------------------------------------------------------
@@ -103,9 +106,15 @@ class DepthController:
                 self.depth = best
                 self.switches += 1
         choice = self.depth
-        if self.rounds and self.rounds % self.probe_every == 0:  # keep both neighbours measured
+        if self._remeasure is not None:  # a probe whose round captured its plans: time it now they exist
+            choice, self._remeasure = self._remeasure, None
+        elif self.rounds >= self._next_probe:  # keep both neighbours measured: often at first, then rarely
+            self._probe_gap = min(2 * self._probe_gap, self.probe_every)
+            self._next_probe = self.rounds + self._probe_gap
             step = 1 if self._probe_up else -1
             self._probe_up = not self._probe_up
+            if not 1 <= choice + step <= self.max_depth:
+                step = -step
             if 1 <= choice + step <= self.max_depth:
                 choice += step
         self.last_choice = choice
@@ -115,6 +124,8 @@ class DepthController:
         """What the round at `depth` did: `drafted` drafts were valid (p_min may cut some), `accepted` of them
         matched; `captured` rounds (a plan was recorded) are not timed."""
         self.rounds += 1
+        if captured and depth != self.depth:
+            self._remeasure = depth
         for i in range(self.max_depth):
             self.tried[i] *= self.decay
             self.hits[i] *= self.decay

@@ -160,12 +160,27 @@ def _stage(state: SessionState, values: list[int]) -> None:
     state.stage_dev[:k].copy_(host[:k], non_blocking=True)
 
 
-def _catch_up(model: DecodeModel, state: SessionState, width: int) -> torch.Tensor:
+def _catch_up(model: DecodeModel, state: SessionState, rows: int) -> torch.Tensor:
     """The MTP head over its pending rows (mtp_start_buf ..), the last being draft step 1: returns that
-    row's output y [1, H], the input of the next step and of the pick."""
-    rows = state.mtp_start_buf + state.row_offsets(width)
-    y = model.mtp_forward(state.mtp_tok_buf[:width], state.hidden.index_select(0, rows), state.mtp_start_buf, state)
-    return y[-1:]
+    row's output y [1, H], the input of the next step and of the pick.
+
+    `rows` may exceed the pending rows (see `_catch_up_rows`): the extra rows sit after the real ones, so
+    causal attention keeps them out of every real row; they write MTP cache entries past the pending
+    rows, which the draft steps (positions start_buf + s) overwrite in order before anything reads them,
+    and which the next round's catch-up rewrites. Their inputs are stale buffer contents, all finite."""
+    offsets = state.mtp_start_buf + state.row_offsets(rows)
+    y = model.mtp_forward(state.mtp_tok_buf[:rows], state.hidden.index_select(0, offsets), state.mtp_start_buf, state)
+    return y.index_select(0, state.mtp_last_buf)
+
+
+def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) -> int:
+    """How many catch-up rows a chained draft computes: at least depth + 1, so the draft plan of a depth is
+    one shape whatever the last round accepted (pending = accepted + 1 <= previous depth + 1). Keyed by
+    the exact pending count instead, a depth needed depth + 1 plans, and an adaptive depth moving between
+    neighbours filled the plan pool and recaptured every few rounds. Exact where the padded rows would
+    pass the end of the caches."""
+    rows = max(pending, depth + 1)
+    return rows if first + rows <= state.max_context else pending
 
 
 def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:
@@ -176,7 +191,7 @@ def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
 
 
 def _draft_host(model: DecodeModel, state: SessionState, width: int, depth: int, p_min: float) -> int:
@@ -192,7 +207,7 @@ def _draft_host(model: DecodeModel, state: SessionState, width: int, depth: int,
         state.ids_buf[1 + s] = tok
         n += 1
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
     state.probs_buf[:n].fill_(1.0)  # already filtered by p_min on the host
     return n
 
@@ -239,7 +254,7 @@ def _draft_chain_sampled(
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
 
 
 def _draft_host_sampled(
@@ -265,7 +280,7 @@ def _draft_host_sampled(
         state.ids_buf[1 + s] = int(tok[0])
         n += 1
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.mtp_start_buf + (width + s), state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
     state.probs_buf[:n].fill_(1.0)  # already filtered by p_min on the host
     return n
 
@@ -334,7 +349,7 @@ def run_round(
     first = state.mtp_len
     width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1
     use_mtp = drafter is None and model.has_mtp and depth > 0 and width_mtp > 0
-    staged = [n - 1, first, state.tokens[-1]]
+    staged = [n - 1, first, width_mtp - 1, state.tokens[-1]]
     if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
         staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
     _stage(state, staged)
@@ -356,21 +371,23 @@ def run_round(
     elif settings.chain and sp is not None:
         sub = settings.sub_vocab
         vq = sub or vocab
-        if width_mtp <= MAX_CAPTURED_CATCHUP:
+        rows = _catch_up_rows(state, first, width_mtp, depth)
+        if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
-                ("draft", width_mtp, depth, sub, *model.plan_tag, sp.plan_key),
+                ("draft", rows, depth, sub, *model.plan_tag, sp.plan_key),
                 pool,
-                lambda: _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp),
+                lambda: _draft_chain_sampled(model, state, bufs, rows, depth, sub, sp),
             )
         else:
             _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
-        if width_mtp <= MAX_CAPTURED_CATCHUP:
+        rows = _catch_up_rows(state, first, width_mtp, depth)
+        if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
-                ("draft", width_mtp, depth, sub, *model.plan_tag),
+                ("draft", rows, depth, sub, *model.plan_tag),
                 pool,
-                lambda: _draft_chain(model, state, width_mtp, depth, sub),
+                lambda: _draft_chain(model, state, rows, depth, sub),
             )
         else:
             _draft_chain(model, state, width_mtp, depth, sub)

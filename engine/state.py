@@ -84,18 +84,20 @@ class SessionState:
         self.hidden = torch.zeros((max_context, cfg.hidden_size), device=device, dtype=dtype)
         # Static round buffers: captured plans read and write only these (their addresses never change).
         # The staged inputs are views of one packed buffer so the host fills them with a single copy:
-        # [target length, first pending MTP row, verify ids (last token, drafts...), catch-up tokens...]
+        # [target length, first pending MTP row, index of the last pending row, verify ids (last token,
+        # drafts...), catch-up tokens...]
         width = n_planes  # >= max verify width (depth + 1) + 1
-        self.stage_dev = torch.zeros(2 + width + max_context, dtype=torch.long, device=device)
+        self.stage_dev = torch.zeros(3 + width + max_context, dtype=torch.long, device=device)
         self.start_buf = self.stage_dev[0:1]  # target length before the round
         self.mtp_start_buf = self.stage_dev[1:2]  # first pending MTP row
-        self.ids_buf = self.stage_dev[2 : 2 + width]  # verify input: last token, drafts
-        self.mtp_tok_buf = self.stage_dev[2 + width :]  # catch-up tokens (host writes them after ids_buf)
+        self.mtp_last_buf = self.stage_dev[2:3]  # pending MTP rows - 1: the catch-up row that is draft step 1
+        self.ids_buf = self.stage_dev[3 : 3 + width]  # verify input: last token, drafts
+        self.mtp_tok_buf = self.stage_dev[3 + width :]  # catch-up tokens (host writes them after ids_buf)
         self.cache_len_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length after acceptance
         self.probs_buf = torch.ones(width, dtype=torch.float32, device=device)  # the drafts' probabilities
         self.out_buf = torch.zeros(width + 2, dtype=torch.long, device=device)  # acceptance result
         pinned = device.type == "cuda"
-        self.stage_host = torch.zeros(2 + width + max_context, dtype=torch.long, pin_memory=pinned)
+        self.stage_host = torch.zeros(3 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
         self.sampling_buffers: SamplingBuffers | None = None  # made at the first sampled round (engine/sampling.py)
