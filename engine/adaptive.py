@@ -19,6 +19,8 @@ import math
 
 PRIOR_ACCEPT = 0.7  # p_1 before anything was seen
 PRIOR_STEP_DECAY = 1.0  # an untried position: the previous one's rate times this (optimistic: go and look)
+PRIOR_WEIGHT = 3.0  # rounds' worth of belief in the prior (one unlucky early round does not drop the depth)
+EXPLORE_ROUNDS = 32  # after these, a probe goes only to a depth already measured (its plans exist: no capture)
 PRIOR_STEP_COST = 0.12  # an unmeasured depth from one measured one: +12% per step
 
 
@@ -46,6 +48,11 @@ class DepthController:
         self._probe_gap = 2  # rounds between probes, doubling up to probe_every
         self._next_probe = 2
         self._remeasure: int | None = None
+        # First, one visit to every other depth (its first round captures its plans, the next is timed), so
+        # every T(d) is measured and later probes and moves find their plans: exploration costs its captures
+        # once, at the start of a session, not in the middle of later runs.
+        start = self.depth
+        self._sweep = [*range(start + 1, max_depth + 1), *range(start - 1, 0, -1)]
         self.last_choice = self.depth
 
     # ---- what it learned ----------------------------------------------------------------------------
@@ -54,7 +61,7 @@ class DepthController:
         out, prev = [], PRIOR_ACCEPT
         for i in range(self.max_depth):
             if self.tried[i] >= 1.0:
-                p = (self.hits[i] + 0.5 * prev) / (self.tried[i] + 0.5)  # shrunk towards the previous rate
+                p = (self.hits[i] + PRIOR_WEIGHT * prev) / (self.tried[i] + PRIOR_WEIGHT)  # shrunk to the previous
             else:
                 p = prev * PRIOR_STEP_DECAY if i else PRIOR_ACCEPT
             out.append(min(max(p, 0.0), 0.999))
@@ -108,15 +115,18 @@ class DepthController:
         choice = self.depth
         if self._remeasure is not None:  # a probe whose round captured its plans: time it now they exist
             choice, self._remeasure = self._remeasure, None
+        elif self._sweep and self.rounds:
+            choice = self._sweep.pop(0)
         elif self.rounds >= self._next_probe:  # keep both neighbours measured: often at first, then rarely
             self._probe_gap = min(2 * self._probe_gap, self.probe_every)
             self._next_probe = self.rounds + self._probe_gap
-            step = 1 if self._probe_up else -1
+            steps = (1, -1) if self._probe_up else (-1, 1)
             self._probe_up = not self._probe_up
-            if not 1 <= choice + step <= self.max_depth:
-                step = -step
-            if 1 <= choice + step <= self.max_depth:
-                choice += step
+            for step in steps:
+                d = choice + step
+                if 1 <= d <= self.max_depth and (self.rounds < EXPLORE_ROUNDS or self.time_n[d] > 0):
+                    choice = d
+                    break
         self.last_choice = choice
         return choice
 
