@@ -59,7 +59,7 @@ class FlakyNvml:
 
 def test_nvml_failing_mid_run_leaves_gaps_not_a_crash():
     pytest.importorskip("PySide6")
-    from app.monitor import NvmlReader
+    from app.gui.monitor import NvmlReader
 
     nvml = FlakyNvml()
     reader = NvmlReader(nvml)

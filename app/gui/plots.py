@@ -43,7 +43,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
+from app.gui import theme
 from engine.settings import knobs
 
 pg.setConfigOptions(antialias=False, useOpenGL=False, background="w", foreground="#333")

@@ -33,21 +33,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
-from app.bench_tab import BenchTab
-from app.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
-from app.monitor import MonitorSample, MonitorSampler, MonitorTab
-from app.output_view import OutputView
-from app.plots import RunPlots, settings_summary
-from app.profiles import (
-    Profile,
-    ProfileStore,
-    config_dir,
-    load_last_used,
-    save_last_used,
-)
-from app.profiles_view import ProfilesTab, figures_from_stats
-from app.worker import (
+from app.gui import theme
+from app.gui.bench_tab import BenchTab
+from app.gui.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
+from app.gui.monitor import MonitorSample, MonitorSampler, MonitorTab
+from app.gui.output_view import OutputView
+from app.gui.plots import RunPlots, settings_summary
+from app.gui.profiles_view import ProfilesTab, figures_from_stats
+from app.gui.worker import (
     BenchRequest,
     EngineWorker,
     LoadedModel,
@@ -56,10 +49,17 @@ from app.worker import (
     RunRequest,
     RunStarted,
 )
+from app.profiles import (
+    Profile,
+    ProfileStore,
+    config_dir,
+    load_last_used,
+    save_last_used,
+)
 from engine.settings import EngineSettings, knobs
 from engine.untrusted import exists, is_regular_file
 
-ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
+ICON_PATH = Path(__file__).resolve().parents[2] / "assets" / "icons" / "specdeck.svg"
 DEFAULT_WORKLOAD = "code_gen"  # a first run works with one click: a real prompt, not an empty one
 CUSTOM_WORKLOAD = "__custom__"  # how the settings file says "the custom prompt"
 TAB_NAMES = ("Live", "GPU monitor", "Profiles", "Bench")
@@ -251,7 +251,7 @@ class MainWindow(QMainWindow):
         self.profiles_tab.message.connect(self.show_message)
         self.profiles_tab.profiles_changed.connect(self._on_profiles_changed)
         self.bench_tab.start_requested.connect(self.start_bench)
-        from app.tune_panel import TuneRunner
+        from app.gui.tune_panel import TuneRunner
 
         self.tune_runner = TuneRunner(self.worker)
         self._fallbacks_shown: dict = {}
@@ -701,7 +701,7 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ tune
 
     def start_tune(self, spec: tuple[list[str], float, int]) -> None:
-        from app.tune_panel import TuneRequest
+        from app.gui.tune_panel import TuneRequest
 
         if self.state != "idle":
             self.show_message("Stop the run before starting a tune")

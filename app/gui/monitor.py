@@ -29,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.plots import SERIES_COLORS, RingBuffer, make_plot
+from app.gui.plots import SERIES_COLORS, RingBuffer, make_plot
 
 GIB = 1024**3
 SAMPLE_INTERVAL_S = 0.5
