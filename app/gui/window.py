@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 from app.gui import theme
 from app.gui.bench_tab import BenchTab
 from app.gui.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
-from app.gui.monitor import MonitorSample, MonitorSampler, MonitorTab
+from app.gui.monitor import MonitorSampler, MonitorTab
 from app.gui.output_view import OutputView
 from app.gui.plots import RunPlots, settings_summary
 from app.gui.profiles_view import ProfilesTab, figures_from_stats
@@ -49,6 +49,7 @@ from app.gui.worker import (
     RunRequest,
     RunStarted,
 )
+from app.hardware import MonitorSample
 from app.profiles import (
     Profile,
     ProfileStore,
