@@ -145,7 +145,7 @@ def test_all_plots_advance_together_in_one_frame(qtbot, window):
     plots = window.plots
     plots.add_rounds(_updates(30, 10.0))
     plots.draw_frame()
-    last = plots._rounds["time_s"].last()
+    last = plots.history.last("time_s")
     curves = [
         plots.speed_raw_curve,
         plots.acceptance_smooth_curve,

@@ -26,8 +26,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.gui.plots import SERIES_COLORS, RingBuffer, make_plot
+from app.gui.plots import SERIES_COLORS, make_plot
 from app.hardware import HostReader, MonitorSample, NvmlReader, read_sample
+from app.history import RingBuffer
 
 GIB = 1024**3
 SAMPLE_INTERVAL_S = 0.5

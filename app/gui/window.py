@@ -38,7 +38,7 @@ from app.gui.bench_tab import BenchTab
 from app.gui.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
 from app.gui.monitor import MonitorSampler, MonitorTab
 from app.gui.output_view import OutputView
-from app.gui.plots import RunPlots, settings_summary
+from app.gui.plots import RunPlots
 from app.gui.profiles_view import ProfilesTab, figures_from_stats
 from app.gui.worker import (
     BenchRequest,
@@ -50,6 +50,7 @@ from app.gui.worker import (
     RunStarted,
 )
 from app.hardware import MonitorSample
+from app.history import settings_summary
 from app.profiles import (
     Profile,
     ProfileStore,
