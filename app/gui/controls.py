@@ -1,7 +1,8 @@
 """The left-hand panels: what to run (RunPanel), the engine's knobs (KnobPanel) and how tokens are drawn
 (SamplingPanel).
 
-KnobPanel holds one widget per EngineSettings field. Every user change emits settings_changed
+KnobPanel holds one widget per EngineSettings field, made from the field's knob metadata
+(engine.settings.knobs(): label, help, range). Every user change emits settings_changed
 with a whole new EngineSettings value; the window hands it to the running session, which picks
 it up at its next round. A knob that cannot act in the current context (mirror output with one
 device, sub-vocab with chain off, ...) is disabled, and its tooltip says why.
@@ -29,7 +30,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.sampling import MAX_TEMPERATURE, SamplingParams
-from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings, knobs
+from engine.settings import EngineSettings, Knob, knobs
 
 CUSTOM_PROMPT = "Custom prompt"
 BUNDLED_MODEL = "Bundled model"
@@ -66,7 +67,69 @@ def check_model_dir(directory: str | Path) -> str | None:
     return None
 
 
+# How a knob's control looks beyond what its metadata says (label, help, range): all optional, so a new
+# knob needs nothing here. step: the arrows' step; special: the text shown at the minimum; prefix: before
+# the number; decimals: of a float; beside: shown on that knob's row instead of a row of its own.
+CONTROL_LOOKS: dict[str, dict[str, Any]] = {
+    "p_min": {"step": 0.05, "decimals": 2},
+    "sub_vocab": {"step": 1024, "special": "all", "group_separators": True},
+    "max_draft_depth": {"prefix": "up to ", "beside": "draft_depth"},
+}
+UNBOUNDED = 1_000_000  # the top of an int knob without one (sub-vocab: the model's vocabulary once known)
+FLOAT_DECIMALS = 4  # a float knob's value is rounded to this many places (what the spin box can show)
+
+
+def knob_control(knob: Knob) -> QWidget:
+    """The widget of one EngineSettings knob, from its metadata: a check box for a switch, a spin box for
+    an int range, a double spin box for a float range; named (accessibleName) by the knob's label."""
+    look = CONTROL_LOOKS.get(knob.name, {})
+    if knob.type is bool:
+        widget: QWidget = QCheckBox(knob.label)
+    elif knob.type in (int, float):
+        lo, hi = knob.range
+        if knob.type is int:
+            widget = QSpinBox()
+            widget.setRange(int(lo), int(hi) if hi is not None else UNBOUNDED)
+        else:
+            widget = QDoubleSpinBox()
+            widget.setDecimals(look.get("decimals", 2))
+            widget.setRange(float(lo), float(hi) if hi is not None else float(UNBOUNDED))
+            widget.setSingleStep(look.get("step", (widget.maximum() - widget.minimum()) / 20))
+        if knob.type is int and "step" in look:
+            widget.setSingleStep(look["step"])
+        if "special" in look:
+            widget.setSpecialValueText(look["special"])
+        if "prefix" in look:
+            widget.setPrefix(look["prefix"])
+        widget.setGroupSeparatorShown(look.get("group_separators", False))
+        widget.setKeyboardTracking(False)  # apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16")
+    else:
+        raise TypeError(f"no control for the knob {knob.name} of type {knob.type.__name__}")
+    widget.setAccessibleName(knob.label)
+    widget.setToolTip(knob.help)
+    return widget
+
+
+def _control_value(knob: Knob, widget: QWidget) -> Any:
+    if knob.type is bool:
+        return widget.isChecked()
+    if knob.type is float:
+        return round(widget.value(), FLOAT_DECIMALS)
+    return widget.value()
+
+
+def _set_control_value(knob: Knob, widget: QWidget, value: Any) -> None:
+    if knob.type is bool:
+        widget.setChecked(value)
+    else:
+        widget.setValue(value)
+
+
 class KnobPanel(QGroupBox):
+    """One control per EngineSettings knob, made from knobs(): adding a knob to EngineSettings adds its
+    control here (and its tooltip, from the knob's help). Each control is also an attribute named after
+    its knob (self.draft_depth, self.chain, ...). Draft depth has an Auto check box beside it."""
+
     settings_changed = Signal(object)  # EngineSettings
 
     def __init__(self, parent: QWidget | None = None):
@@ -74,57 +137,32 @@ class KnobPanel(QGroupBox):
         self._device = "cpu"
         self._device_count = 1
         self.vocab_size: int | None = None
+        self.knobs = {k.name: k for k in knobs()}
+        self.widgets: dict[str, QWidget] = {name: knob_control(knob) for name, knob in self.knobs.items()}
+        for name, widget in self.widgets.items():
+            setattr(self, name, widget)
+        self.depth_auto = QCheckBox("Auto")  # draft_depth "auto": the engine picks each round's depth
+        self.sub_vocab_share = QLabel("")  # "25% of 151,936"
 
-        self.speculative = QCheckBox("Speculative decoding")
-        self.draft_depth = QSpinBox()
-        self.draft_depth.setRange(1, MAX_DRAFT_DEPTH)
-        self.depth_auto = QCheckBox("Auto")
-        self.max_draft_depth = QSpinBox()
-        self.max_draft_depth.setRange(1, MAX_DRAFT_DEPTH)
-        self.max_draft_depth.setPrefix("up to ")
-        self.p_min = QDoubleSpinBox()
-        self.p_min.setRange(0.0, 1.0)
-        self.p_min.setSingleStep(0.05)
-        self.p_min.setDecimals(2)
-        self.chain = QCheckBox("Chain draft steps")
-        self.sub_vocab = QSpinBox()
-        self.sub_vocab.setRange(0, 1_000_000)
-        self.sub_vocab.setSingleStep(1024)
-        self.sub_vocab.setSpecialValueText("all")
-        self.sub_vocab.setGroupSeparatorShown(True)
-        self.sub_vocab_share = QLabel("")
-        self.mirror_output = QCheckBox("Mirror output layer")
-        self.plan_pool = QSpinBox()
-        self.plan_pool.setRange(0, MAX_PLAN_POOL)
-        # Apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16").
-        for spin in (self.draft_depth, self.p_min, self.sub_vocab, self.plan_pool, self.max_draft_depth):
-            spin.setKeyboardTracking(False)
-
-        self.widgets: dict[str, QWidget] = {
-            "speculative": self.speculative,
-            "draft_depth": self.draft_depth,
-            "max_draft_depth": self.max_draft_depth,
-            "p_min": self.p_min,
-            "chain": self.chain,
-            "sub_vocab": self.sub_vocab,
-            "mirror_output": self.mirror_output,
-            "plan_pool": self.plan_pool,
-        }
         form = QFormLayout(self)
-        form.addRow(self.speculative)
-        depth_row = QHBoxLayout()
-        depth_row.addWidget(self.draft_depth, 1)
-        depth_row.addWidget(self.depth_auto)
-        depth_row.addWidget(self.max_draft_depth, 1)
-        form.addRow("Draft depth", depth_row)
-        form.addRow("p_min", self.p_min)
-        form.addRow(self.chain)
-        sub_vocab_row = QHBoxLayout()
-        sub_vocab_row.addWidget(self.sub_vocab, 1)
-        sub_vocab_row.addWidget(self.sub_vocab_share)
-        form.addRow("Sub-vocab", sub_vocab_row)
-        form.addRow(self.mirror_output)
-        form.addRow("Plan pool", self.plan_pool)
+        for name, knob in self.knobs.items():
+            if "beside" in CONTROL_LOOKS.get(name, {}):
+                continue  # on its host's row
+            widget = self.widgets[name]
+            if knob.type is bool:
+                form.addRow(widget)
+                continue
+            extras = [self.depth_auto] if name == "draft_depth" else []
+            extras += [self.widgets[n] for n in self.knobs if CONTROL_LOOKS.get(n, {}).get("beside") == name]
+            extras += [self.sub_vocab_share] if name == "sub_vocab" else []
+            if not extras:
+                form.addRow(knob.label, widget)
+                continue
+            row = QHBoxLayout()
+            row.addWidget(widget, 1)
+            for extra in extras:
+                row.addWidget(extra, 1 if extra in self.widgets.values() else 0)
+            form.addRow(knob.label, row)
         self.pending_label = QLabel("")
         self.pending_label.setWordWrap(True)
         self.pending_label.setStyleSheet("color:#666;")
@@ -136,42 +174,30 @@ class KnobPanel(QGroupBox):
 
         self._updating = False
         self.set_settings(EngineSettings())
-        for checkbox in (self.speculative, self.chain, self.mirror_output, self.depth_auto):
-            checkbox.toggled.connect(self._on_user_change)
-        for spin in (self.draft_depth, self.sub_vocab, self.plan_pool, self.max_draft_depth):
-            spin.valueChanged.connect(self._on_user_change)
-        self.p_min.valueChanged.connect(self._on_user_change)
+        for widget in [*self.widgets.values(), self.depth_auto]:
+            signal = widget.toggled if isinstance(widget, QCheckBox) else widget.valueChanged
+            signal.connect(self._on_user_change)
 
     def set_colors(self, colors: Any) -> None:
         for label in (self.pending_label, self.glossary_label):
             label.setStyleSheet(f"color:{colors.muted};")
 
     def settings(self) -> EngineSettings:
-        return EngineSettings(
-            speculative=self.speculative.isChecked(),
-            draft_depth="auto" if self.depth_auto.isChecked() else self.draft_depth.value(),
-            max_draft_depth=self.max_draft_depth.value(),
-            p_min=round(self.p_min.value(), 4),
-            chain=self.chain.isChecked(),
-            sub_vocab=self.sub_vocab.value(),
-            mirror_output=self.mirror_output.isChecked(),
-            plan_pool=self.plan_pool.value(),
-        )
+        values = {name: _control_value(knob, self.widgets[name]) for name, knob in self.knobs.items()}
+        if self.depth_auto.isChecked():
+            values["draft_depth"] = "auto"
+        return EngineSettings(**values)
 
     def set_settings(self, settings: EngineSettings, emit: bool = False) -> None:
         """Show `settings` (e.g. a profile being applied); emit=True also applies them."""
         self._updating = True
         try:
-            self.speculative.setChecked(settings.speculative)
             self.depth_auto.setChecked(settings.adaptive)
-            if not settings.adaptive:
-                self.draft_depth.setValue(settings.draft_depth)
-            self.max_draft_depth.setValue(settings.max_draft_depth)
-            self.p_min.setValue(settings.p_min)
-            self.chain.setChecked(settings.chain)
-            self.sub_vocab.setValue(settings.sub_vocab)
-            self.mirror_output.setChecked(settings.mirror_output)
-            self.plan_pool.setValue(settings.plan_pool)
+            for name, knob in self.knobs.items():
+                value = getattr(settings, name)
+                if name == "draft_depth" and settings.adaptive:
+                    continue  # the spin box keeps the last fixed depth, for when Auto goes off
+                _set_control_value(knob, self.widgets[name], value)
         finally:
             self._updating = False
         self._refresh_availability()
