@@ -10,6 +10,7 @@ device, sub-vocab with chain off, ...) is disabled, and its tooltip says why.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ CUSTOM_PROMPT = "Custom prompt"
 BUNDLED_MODEL = "Bundled model"
 BROWSE = "Other model folder…"
 DTYPES = ["float32", "bfloat16", "float16"]
+DEFAULT_NEW_TOKENS = 256
+CUSTOM_WORKLOAD = "__custom__"  # how a saved state says "the custom prompt"
+MAX_STATE_TEXT = 1_000_000  # a longer text in a saved state is not a prompt or a folder: ignored
 
 # Tooltips and the Help glossary: each knob's description, written once in EngineSettings' field metadata.
 KNOB_HELP = {k.name: k.help for k in knobs()}
@@ -203,6 +207,27 @@ class KnobPanel(QGroupBox):
         self._refresh_availability()
         if emit:
             self.settings_changed.emit(self.settings())
+
+    def save_state(self) -> dict[str, Any]:
+        """The knobs' settings, field by field (what restore_state takes back)."""
+        return self.settings().to_dict()
+
+    def restore_state(self, state: Mapping[str, Any]) -> list[str]:
+        """Show the settings a saved state holds. Untrusted: a field whose value EngineSettings refuses keeps
+        its default (its name is returned), an unknown key is skipped, and nothing raises."""
+        if not isinstance(state, Mapping):
+            self.set_settings(EngineSettings())
+            return ["(not a table of settings)"]
+        settings, bad = EngineSettings(), []
+        for name in self.knobs:
+            if name not in state:
+                continue
+            try:
+                settings = settings.replace(**{name: state[name]})
+            except (ValueError, TypeError):
+                bad.append(name)
+        self.set_settings(settings)
+        return bad
 
     def set_context(self, device: str, device_count: int, vocab_size: int | None) -> None:
         """Where the engine runs: decides which knobs can act. vocab_size bounds sub-vocab."""
@@ -382,9 +407,17 @@ class RunPanel(QGroupBox):
     model_changed = Signal()
     model_refused = Signal(str)  # a chosen folder that is not a model: why
 
-    def __init__(self, workloads: dict[str, Any], bundled_dir: Path | None, parent: QWidget | None = None):
+    def __init__(
+        self,
+        workloads: dict[str, Any],
+        bundled_dir: Path | None,
+        parent: QWidget | None = None,
+        default_workload: str | None = None,
+    ):
         super().__init__("Run", parent)
         self.workloads = workloads
+        # A first run works with one click: a real prompt, not an empty one.
+        self.default_workload = default_workload if default_workload in workloads else next(iter(workloads), None)
         self._readonly_style = "background:#f4f4f4; color:#444;"
 
         self.model_combo = QComboBox()
@@ -415,7 +448,7 @@ class RunPanel(QGroupBox):
         self.prompt_edit.setMaximumHeight(110)
         self.max_new_tokens = QSpinBox()
         self.max_new_tokens.setRange(1, 32768)
-        self.max_new_tokens.setValue(256)
+        self.max_new_tokens.setValue(DEFAULT_NEW_TOKENS)
         self.repeat = QCheckBox("Repeat until stopped")
         self.repeat.setToolTip(
             "Start the workload again when it finishes, so the plots keep going while you flip knobs"
@@ -443,6 +476,7 @@ class RunPanel(QGroupBox):
         buttons.addWidget(self.run_button)
         buttons.addWidget(self.stop_button)
         form.addRow(buttons)
+        self.select_workload(self.default_workload)
         self._on_workload_changed()
 
     # -- model --
@@ -542,6 +576,85 @@ class RunPanel(QGroupBox):
 
     def prompt(self) -> str:
         return self.prompt_edit.toPlainText()
+
+    # -- state kept between sessions --
+
+    def save_state(self) -> dict[str, Any]:
+        """The choices to bring back next time (restore_state takes them): the model folders listed and the
+        one chosen ("" = bundled), dtype, workload (or the custom prompt), new tokens, repeat."""
+        workload = self.workload_name()
+        state: dict[str, Any] = {
+            "model_dirs": self.model_dirs(),
+            "model_dir": self.model_dir() or "",
+            "dtype": self.dtype(),
+            "workload": workload or CUSTOM_WORKLOAD,
+            "max_new_tokens": self.max_new_tokens.value(),
+            "repeat": self.repeat.isChecked(),
+        }
+        if workload is None:
+            state["custom_prompt"] = self.prompt()
+        return state
+
+    def restore_state(self, state: Mapping[str, Any]) -> list[str]:
+        """Bring back a saved state. Untrusted (read back from a file, where anything may be, as text or
+        lists): a key whose value is unusable is returned and its choice keeps its default; a listed folder
+        that is no longer a model is dropped; unknown keys are skipped; nothing raises."""
+        if not isinstance(state, Mapping):
+            state = {}
+        bad: list[str] = []
+
+        def text(key: str) -> str | None:
+            value = state.get(key)
+            if value is None or (isinstance(value, str) and len(value) <= MAX_STATE_TEXT):
+                return value
+            bad.append(key)
+            return None
+
+        dirs = state.get("model_dirs", [])
+        dirs = [dirs] if isinstance(dirs, str) else dirs  # one folder reads back as a plain string
+        if not isinstance(dirs, list):
+            bad.append("model_dirs")
+            dirs = []
+        for directory in dirs:
+            if (
+                isinstance(directory, str)
+                and len(directory) <= MAX_STATE_TEXT
+                and "\0" not in directory
+                and Path(directory).is_dir()
+                and check_model_dir(directory) is None
+            ):
+                self.add_model_dir(directory)
+        chosen = text("model_dir") or ""
+        index = self.model_combo.findData(chosen) if chosen else 0  # "": the bundled model
+        self.model_combo.setCurrentIndex(max(index, 0))
+        self._last_model_index = self.model_combo.currentIndex()
+
+        dtype = text("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            bad.append("dtype")
+        self.dtype_combo.setCurrentText(dtype if dtype in DTYPES else DTYPES[0])
+
+        workload, custom_prompt = text("workload"), text("custom_prompt") or ""
+        if workload == CUSTOM_WORKLOAD and custom_prompt.strip():
+            self.select_workload(None)
+            self.prompt_edit.setPlainText(custom_prompt)
+        else:  # an empty custom prompt, a workload gone, or none: a real workload, so Run works at once
+            self.select_workload(workload if workload in self.workloads else self.default_workload)
+
+        max_new = state.get("max_new_tokens")
+        try:
+            max_new = DEFAULT_NEW_TOKENS if max_new is None else int(max_new)
+        except (TypeError, ValueError, OverflowError):
+            bad.append("max_new_tokens")
+            max_new = DEFAULT_NEW_TOKENS
+        self.max_new_tokens.setValue(max(1, min(max_new, self.max_new_tokens.maximum())))
+
+        repeat = state.get("repeat", True)
+        if repeat not in (True, False, "true", "false"):
+            bad.append("repeat")
+            repeat = True
+        self.repeat.setChecked(repeat in (True, "true"))
+        return bad
 
     def set_running(self, running: bool) -> None:
         self.run_button.setEnabled(not running)
