@@ -1,25 +1,15 @@
-"""SpecDeck's desktop window (PySide6 + pyqtgraph).
+"""SpecDeck's application, on top of the engine (engine/).
 
-The engine (engine/) knows nothing of Qt; this package knows nothing of CUDA. It talks to the engine
-only through Engine.load / stream / session.settings / session.cancel and the RoundEvent stats.
+The services here import no Qt, so the command line, the bench and the tune run without PySide6:
 
-    main.py          run_app(argv) and screenshot(path): the entry points
-    window.py        the main window: run panel, tabs, status, error banner
-    controls.py      the run panel (model, device, dtype, workload) and the knob panel
-    worker.py        the engine thread: loads, runs and benches off the GUI thread
-    plots.py         live run plots redrawn from ring buffers on a timer
-    output_view.py   the streamed text, accepted draft tokens highlighted
-    monitor.py       NVML + /proc sampler on its own thread, and the GPU monitor tab
-    profiles_view.py the profiles tab (files handled by app.profiles)
-    bench_tab.py     A/B bench of two profiles (app.bench, the same code as `specdeck bench`)
-    qt_compat.py     a guard against a PySide6 6.12.0 refcount bug on Python 3.11
+    cli.py           the `specdeck` command (bare: opens the window, app.gui)
+    profiles.py      profile files, the last used settings
+    workloads.py     the fixed workloads (assets/workloads)
+    bench.py         the A/B bench (`specdeck bench`, the Bench tab)
+    tune.py          the staged autotune (`specdeck tune`, the Tune panel)
+    threads.py       how many CPU threads the engine gets
+    hardware.py      NVML and /proc readers: the GPU monitor's samples, a profile's hardware fingerprint
+    history.py       RunHistory: a run's per-round figures, rolling statistics, markers, CSV
+
+gui/ is the desktop window (PySide6 + pyqtgraph); it is imported only when the window opens.
 """
-
-try:  # the window's guard; the command line's services (cli, profiles, bench, tune) also run without Qt
-    import PySide6  # noqa: F401
-except ImportError:
-    pass
-else:
-    from app.qt_compat import guard_singleton_refcounts
-
-    guard_singleton_refcounts()

@@ -302,7 +302,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
 
 def cmd_screenshot(a: argparse.Namespace) -> int:
-    from app.main import screenshot
+    from app.gui.main import screenshot
 
     _apply_threads(a)
     size = _size(a.size)
@@ -376,7 +376,7 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def gui_main() -> int:
-    from app.main import run_app
+    from app.gui.main import run_app
 
     return run_app(sys.argv)
 
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     if a.command is None or a.func is None:
-        from app.main import run_app
+        from app.gui.main import run_app
 
         return run_app([sys.argv[0], *argv[1:]] if a.command else [sys.argv[0]])
     try:

@@ -686,7 +686,9 @@ def hardware_fingerprint(gpu_names: list[str] | None = None) -> dict[str, Any]:
         "saved_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     if gpu_names is None:
-        gpu_names, driver = _nvml_gpus()
+        from app.hardware import gpu_names_and_driver
+
+        gpu_names, driver = gpu_names_and_driver()
         if driver:
             fingerprint["nvidia_driver"] = driver
     fingerprint["gpus"] = list(gpu_names)
@@ -701,27 +703,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _nvml_gpus() -> tuple[list[str], str | None]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return [], None
-    try:
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        return names, driver.decode() if isinstance(driver, bytes) else str(driver)
-    except Exception:
-        return [], None
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
 
 
 def _drop_none(value: Any) -> Any:

@@ -65,3 +65,15 @@ def apply_cpu_threads(requested: int | None = None) -> tuple[int, str]:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads, source
+
+
+def cpu_threads_for_the_engine() -> int:
+    """Intra-op threads for CPU runs in the window: the rule above, the same as the CLI's (one core fewer
+    than the process may use; SPECDECK_CPU_THREADS overrides). The window's thread needs a share of one
+    core to draw, and a pool thread sharing that core makes every op wait for it (seen on a 2-core
+    machine: rounds 10x slower with 2 threads than with 1). A bad SPECDECK_CPU_THREADS falls back to the
+    default here (the CLI refuses it)."""
+    try:
+        return cpu_threads()[0]
+    except ValueError:
+        return default_cpu_threads()

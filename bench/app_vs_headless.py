@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import torch
 
-    from app.worker import cpu_threads_for_the_engine
+    from app.threads import cpu_threads_for_the_engine
 
     # The same thread count on both sides: it is part of "the same settings" (the app would
     # otherwise set its own when it loads on the CPU).
@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
-    import app  # noqa: F401 (applies the PySide6 6.12.0 guard before any signal is emitted)
+    import app.gui  # noqa: F401 (applies the PySide6 6.12.0 guard before any signal is emitted)
     from app.profiles import load_profile
     from app.workloads import load_workloads
     from engine import Engine
 
     qt_app = QApplication.instance() or QApplication(sys.argv[:1])  # noqa: F841 (kept alive while the window lives)
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     profile = load_profile(args.profile)

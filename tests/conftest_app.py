@@ -16,6 +16,8 @@ os.environ.setdefault("PYTEST_QT_API", "pyside6")
 
 import pytest  # noqa: E402
 
+import app.gui  # noqa: E402, F401 (the PySide6 6.12.0 guard, before pytest-qt's application emits a signal)
+
 RUN_TIMEOUT_MS = 60_000  # generous: CI machines share two cores
 
 
@@ -42,7 +44,7 @@ def one_torch_thread():
 @pytest.fixture
 def make_window(qtbot, app_config, tiny_model_dir):
     """make_window(**kwargs) -> a shown MainWindow on the tiny model; shut down after the test."""
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     windows = []
 
@@ -58,7 +60,7 @@ def make_window(qtbot, app_config, tiny_model_dir):
     yield make
     for window in windows:
         window.shutdown()
-    from app import theme
+    from app.gui import theme
 
     if theme.current_mode != "system":  # a test that switched themes leaves the next one as it was
         theme.apply_theme("system")

@@ -839,7 +839,7 @@ def _window_ini(data: bytes | None, how: str = ""):
             (config / "window.ini").write_bytes(data)
         from PySide6.QtWidgets import QApplication
 
-        from app.window import MainWindow
+        from app.gui.window import MainWindow
 
         app = QApplication.instance() or QApplication(["battery"])
         window = MainWindow(model_dir=str(w.model()), sample_interval_s=1.0)

@@ -45,7 +45,7 @@ def test_memory_of_every_rank_in_the_window(qtbot, window):
     """A round from an engine split over two GPUs carries every rank's own count; the label shows both."""
     import time
 
-    from app.worker import RoundUpdate
+    from app.gui.worker import RoundUpdate
     from engine import EngineSettings, RoundEvent
 
     ev = RoundEvent(
@@ -90,7 +90,7 @@ def test_the_window_on_two_ranks_runs_and_shows_every_ranks_memory(qtbot, window
 
 
 def test_fallbacks_to_reference_ops_are_said_in_the_status_bar(qtbot, window):
-    from app.worker import RunFinished
+    from app.gui.worker import RunFinished
 
     window._on_run_finished(RunFinished(1, {"fallbacks": {"attention_cached": 3}, "generated": 1}, "length", 0.1))
     assert "attention_cached (3)" in window.statusBar().currentMessage()

@@ -57,9 +57,24 @@ class FlakyNvml:
         return reading
 
 
+def test_a_profile_fingerprint_reads_the_gpus_through_the_monitor_reader(monkeypatch):
+    """app.hardware is the one NVML reader: the fingerprint's GPUs and driver come from it, NVML shut down after."""
+    import sys
+
+    from app import profiles
+    from app.hardware import gpu_names_and_driver
+
+    nvml = FlakyNvml()
+    closed = []
+    nvml.nvmlShutdown = lambda: closed.append(True)
+    assert gpu_names_and_driver(nvml) == (["NVIDIA H200"], "580.1") and closed == [True]
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    fingerprint = profiles.hardware_fingerprint()
+    assert fingerprint["gpus"] == ["NVIDIA H200"] and fingerprint["nvidia_driver"] == "580.1"
+
+
 def test_nvml_failing_mid_run_leaves_gaps_not_a_crash():
-    pytest.importorskip("PySide6")
-    from app.monitor import NvmlReader
+    from app.hardware import NvmlReader
 
     nvml = FlakyNvml()
     reader = NvmlReader(nvml)

@@ -145,7 +145,7 @@ def test_all_plots_advance_together_in_one_frame(qtbot, window):
     plots = window.plots
     plots.add_rounds(_updates(30, 10.0))
     plots.draw_frame()
-    last = plots._rounds["time_s"].last()
+    last = plots.history.last("time_s")
     curves = [
         plots.speed_raw_curve,
         plots.acceptance_smooth_curve,
@@ -178,7 +178,7 @@ def test_a_stop_and_start_leave_a_gap_with_markers(qtbot, window):
 
 
 def test_marker_labels_take_turns_over_lanes_and_long_ones_are_shortened(qtbot, window):
-    from app.plots import MARKER_LABEL_CHARS
+    from app.gui.plots import MARKER_LABEL_CHARS
 
     plots = window.plots
     a, b = EngineSettings(), EngineSettings(draft_depth=5, p_min=0.3, chain=False, plan_pool=2)
@@ -222,7 +222,7 @@ def test_run_bench_says_why_it_is_greyed(qtbot, window):
 
 def test_the_bench_chart_shows_bars_with_spread_and_a_saved_bench_beside_them(qtbot, window, tmp_path):
     from app.bench import BenchArm, BenchReport, BenchRow
-    from app.bench_tab import figures_from_json, figures_from_report
+    from app.gui.bench_tab import figures_from_json, figures_from_report
 
     arms = [BenchArm("control", EngineSettings(chain=False)), BenchArm("chain", EngineSettings())]
     report = BenchReport(arms, ["code_gen", "prose"], 2, 8)
@@ -251,7 +251,7 @@ def test_the_bench_chart_shows_bars_with_spread_and_a_saved_bench_beside_them(qt
 
 
 def test_dark_theme_reaches_the_widgets_and_the_plots_and_is_remembered(qtbot, make_window):
-    from app import theme
+    from app.gui import theme
 
     window = make_window()
     window.set_theme("dark")
@@ -296,8 +296,8 @@ def test_shortcuts_pause_switch_tabs_and_export(qtbot, window, monkeypatch, tmp_
 
 
 def test_help_lists_the_shortcuts_and_every_knob(qtbot, window):
-    from app.controls import KNOB_HELP
-    from app.window import SHORTCUTS
+    from app.gui.controls import KNOB_HELP
+    from app.gui.window import SHORTCUTS
 
     keys = window.shortcuts_html()
     for key, _ in SHORTCUTS:
@@ -323,7 +323,7 @@ LDD_DEBIAN_12 = """\
 
 
 def test_the_xcb_check_names_the_missing_libraries_and_the_install_line(tmp_path):
-    from app.startup_check import missing_from_ldd, uses_xcb, xcb_problem
+    from app.gui.startup_check import missing_from_ldd, uses_xcb, xcb_problem
 
     assert missing_from_ldd(LDD_DEBIAN_12) == ["libxcb-icccm.so.4", "libxcb-keysyms.so.1"]
     assert uses_xcb({"DISPLAY": ":0"}) and uses_xcb({"QT_QPA_PLATFORM": "xcb"})
@@ -347,8 +347,8 @@ def test_the_xcb_check_names_the_missing_libraries_and_the_install_line(tmp_path
 
 
 def test_the_app_prints_the_check_instead_of_letting_qt_abort(monkeypatch, capsys):
-    import app.startup_check as check
-    from app.main import run_app
+    import app.gui.startup_check as check
+    from app.gui.main import run_app
 
     monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
@@ -359,7 +359,7 @@ def test_the_app_prints_the_check_instead_of_letting_qt_abort(monkeypatch, capsy
 
 
 def test_the_check_agrees_with_ldd_on_this_machine():
-    from app.startup_check import _loadable, _run_ldd, missing_from_ldd, xcb_plugin_paths, xcb_problem
+    from app.gui.startup_check import _loadable, _run_ldd, missing_from_ldd, xcb_plugin_paths, xcb_problem
 
     plugins = xcb_plugin_paths()
     if not plugins or not _run_ldd(plugins[0]):
@@ -373,7 +373,7 @@ def test_the_check_agrees_with_ldd_on_this_machine():
 
 
 def test_memory_areas_keep_only_the_rounds_where_memory_changes():
-    from app.plots import _change_points
+    from app.gui.plots import _change_points
 
     rows = np.array([[1, 1, 1, 2, 2, 2, 2, 3.0]])
     assert _change_points(rows).tolist() == [0, 2, 3, 6, 7]  # each step drawn as a step, and the ends
@@ -381,7 +381,7 @@ def test_memory_areas_keep_only_the_rounds_where_memory_changes():
 
 
 def test_the_system_theme_follows_the_desktop_when_it_switches(qtbot, window, monkeypatch):
-    from app import theme
+    from app.gui import theme
 
     window.set_theme("system")
     monkeypatch.setattr(theme, "system_is_dark", lambda: True)  # the desktop went dark
@@ -397,8 +397,8 @@ def test_the_system_theme_follows_the_desktop_when_it_switches(qtbot, window, mo
 
 
 def test_the_window_takes_threads_from_the_command_line(monkeypatch, capsys):
-    import app.startup_check as check
-    from app.main import run_app
+    import app.gui.startup_check as check
+    from app.gui.main import run_app
 
     monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")

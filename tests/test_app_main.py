@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QApplication
 
 
 def test_run_app_opens_the_window_and_returns_when_it_is_closed(qtbot, app_config, tiny_model_dir):
-    from app.main import run_app
+    from app.gui.main import run_app
 
     seen = []
 
@@ -29,7 +29,7 @@ def test_run_app_opens_the_window_and_returns_when_it_is_closed(qtbot, app_confi
 
 
 def test_screenshot_renders_the_window_after_a_short_run(qtbot, app_config, tiny_model_dir, tmp_path):
-    from app.main import screenshot
+    from app.gui.main import screenshot
 
     path = screenshot(tmp_path / "shots" / "window.png", model=str(tiny_model_dir), tokens=24)
     image = QImage(str(path))

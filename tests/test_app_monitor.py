@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 from conftest_app import app_config, make_window, one_torch_thread  # noqa: F401 (fixtures)
 
-from app.monitor import HostReader, MonitorSampler, MonitorTab, NvmlReader
+from app.gui.monitor import MonitorSampler, MonitorTab
+from app.hardware import HostReader, NvmlReader
 
 GIB = 1024**3
 

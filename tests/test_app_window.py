@@ -245,7 +245,7 @@ def test_last_used_settings_and_choices_are_restored_at_start(qtbot, make_window
 
 
 def test_the_frame_gate_never_holds_the_engine_for_long():
-    from app.worker import FrameGate
+    from app.gui.worker import FrameGate
 
     gate = FrameGate()
     gate.set_running(True)

@@ -53,7 +53,7 @@ def test_threads_flag_beats_the_variable_which_beats_the_default(monkeypatch):
 
 
 def test_the_app_uses_the_same_rule(monkeypatch):
-    from app.worker import cpu_threads_for_the_engine
+    from app.threads import cpu_threads_for_the_engine
 
     monkeypatch.setenv(THREADS_ENV, "2")
     assert cpu_threads_for_the_engine() == 2

@@ -29,7 +29,7 @@ def test_a_bad_window_ini_is_ignored_and_the_window_opens(make_window, app_confi
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs")
 def test_a_window_ini_fifo_is_moved_aside_with_a_notice(make_window, app_config, monkeypatch):
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     notices: list[str] = []
     original = MainWindow.show_message

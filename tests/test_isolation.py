@@ -29,7 +29,7 @@ def test_the_config_dir_resolves_under_the_sessions_temp_dir():
 
 
 def test_a_window_that_remembers_writes_only_into_the_temp_dir(qtbot):
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     writes_before = len(conftest.WRITES_TO_REAL_CONFIG)
     window = MainWindow(remember=True)  # no app_config fixture: the session's own dir

@@ -167,6 +167,26 @@ def test_spec_bundles_assets_where_the_engine_looks():
     assert assets / "workloads" == app.workloads.WORKLOAD_DIR
 
 
+def test_every_package_is_installed_and_every_module_bundled():
+    """Subpackages (app.gui) are listed in pyproject.toml's packages, and the spec names every module as a
+    hidden import (the window is imported inside a function, which PyInstaller's analysis does not follow)."""
+    packages = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("app", "engine", "kernels")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    assert "app.gui" in found and found <= packages
+    spec = ast.parse((PKG / "specdeck.spec").read_text(encoding="utf-8"))
+    (function,) = [n for n in spec.body if isinstance(n, ast.FunctionDef) and n.name == "_modules"]
+    namespace = {"SRC": ROOT, "Path": Path}
+    exec(compile(ast.Module(body=[function], type_ignores=[]), "specdeck.spec", "exec"), namespace)
+    named = set(namespace["_modules"]("app"))
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "app").rglob("*.py")}
+    modules = {m.removesuffix(".__init__") for m in modules if not m.endswith("__main__")}
+    assert {"app.cli", "app.gui", "app.gui.window", "app.gui.main"} <= named and named == modules
+
+
 def test_built_bundle_layout_if_present():
     """Only where packaging/build.sh has run (never in CI): the assets sit where the engine looks."""
     app = PKG / "dist" / "specdeck"

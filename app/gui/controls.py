@@ -1,7 +1,8 @@
 """The left-hand panels: what to run (RunPanel), the engine's knobs (KnobPanel) and how tokens are drawn
 (SamplingPanel).
 
-KnobPanel holds one widget per EngineSettings field. Every user change emits settings_changed
+KnobPanel holds one widget per EngineSettings field, made from the field's knob metadata
+(engine.settings.knobs(): label, help, range). Every user change emits settings_changed
 with a whole new EngineSettings value; the window hands it to the running session, which picks
 it up at its next round. A knob that cannot act in the current context (mirror output with one
 device, sub-vocab with chain off, ...) is disabled, and its tooltip says why.
@@ -9,6 +10,7 @@ device, sub-vocab with chain off, ...) is disabled, and its tooltip says why.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,15 @@ from PySide6.QtWidgets import (
 )
 
 from engine.sampling import MAX_TEMPERATURE, SamplingParams
-from engine.settings import MAX_DRAFT_DEPTH, MAX_PLAN_POOL, EngineSettings, knobs
+from engine.settings import EngineSettings, Knob, knobs
 
 CUSTOM_PROMPT = "Custom prompt"
 BUNDLED_MODEL = "Bundled model"
 BROWSE = "Other model folder…"
 DTYPES = ["float32", "bfloat16", "float16"]
+DEFAULT_NEW_TOKENS = 256
+CUSTOM_WORKLOAD = "__custom__"  # how a saved state says "the custom prompt"
+MAX_STATE_TEXT = 1_000_000  # a longer text in a saved state is not a prompt or a folder: ignored
 
 # Tooltips and the Help glossary: each knob's description, written once in EngineSettings' field metadata.
 KNOB_HELP = {k.name: k.help for k in knobs()}
@@ -66,7 +71,69 @@ def check_model_dir(directory: str | Path) -> str | None:
     return None
 
 
+# How a knob's control looks beyond what its metadata says (label, help, range): all optional, so a new
+# knob needs nothing here. step: the arrows' step; special: the text shown at the minimum; prefix: before
+# the number; decimals: of a float; beside: shown on that knob's row instead of a row of its own.
+CONTROL_LOOKS: dict[str, dict[str, Any]] = {
+    "p_min": {"step": 0.05, "decimals": 2},
+    "sub_vocab": {"step": 1024, "special": "all", "group_separators": True},
+    "max_draft_depth": {"prefix": "up to ", "beside": "draft_depth"},
+}
+UNBOUNDED = 1_000_000  # the top of an int knob without one (sub-vocab: the model's vocabulary once known)
+FLOAT_DECIMALS = 4  # a float knob's value is rounded to this many places (what the spin box can show)
+
+
+def knob_control(knob: Knob) -> QWidget:
+    """The widget of one EngineSettings knob, from its metadata: a check box for a switch, a spin box for
+    an int range, a double spin box for a float range; named (accessibleName) by the knob's label."""
+    look = CONTROL_LOOKS.get(knob.name, {})
+    if knob.type is bool:
+        widget: QWidget = QCheckBox(knob.label)
+    elif knob.type in (int, float):
+        lo, hi = knob.range
+        if knob.type is int:
+            widget = QSpinBox()
+            widget.setRange(int(lo), int(hi) if hi is not None else UNBOUNDED)
+        else:
+            widget = QDoubleSpinBox()
+            widget.setDecimals(look.get("decimals", 2))
+            widget.setRange(float(lo), float(hi) if hi is not None else float(UNBOUNDED))
+            widget.setSingleStep(look.get("step", (widget.maximum() - widget.minimum()) / 20))
+        if knob.type is int and "step" in look:
+            widget.setSingleStep(look["step"])
+        if "special" in look:
+            widget.setSpecialValueText(look["special"])
+        if "prefix" in look:
+            widget.setPrefix(look["prefix"])
+        widget.setGroupSeparatorShown(look.get("group_separators", False))
+        widget.setKeyboardTracking(False)  # apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16")
+    else:
+        raise TypeError(f"no control for the knob {knob.name} of type {knob.type.__name__}")
+    widget.setAccessibleName(knob.label)
+    widget.setToolTip(knob.help)
+    return widget
+
+
+def _control_value(knob: Knob, widget: QWidget) -> Any:
+    if knob.type is bool:
+        return widget.isChecked()
+    if knob.type is float:
+        return round(widget.value(), FLOAT_DECIMALS)
+    return widget.value()
+
+
+def _set_control_value(knob: Knob, widget: QWidget, value: Any) -> None:
+    if knob.type is bool:
+        widget.setChecked(value)
+    else:
+        widget.setValue(value)
+
+
 class KnobPanel(QGroupBox):
+    """One control per EngineSettings knob, made from knobs(): adding a knob to EngineSettings adds its
+    control here (and its tooltip, from the knob's help). Each control is also an attribute named after
+    its knob (self.draft_depth, self.chain, ...). Draft depth has an Auto check box beside it."""
+
     settings_changed = Signal(object)  # EngineSettings
 
     def __init__(self, parent: QWidget | None = None):
@@ -74,57 +141,32 @@ class KnobPanel(QGroupBox):
         self._device = "cpu"
         self._device_count = 1
         self.vocab_size: int | None = None
+        self.knobs = {k.name: k for k in knobs()}
+        self.widgets: dict[str, QWidget] = {name: knob_control(knob) for name, knob in self.knobs.items()}
+        for name, widget in self.widgets.items():
+            setattr(self, name, widget)
+        self.depth_auto = QCheckBox("Auto")  # draft_depth "auto": the engine picks each round's depth
+        self.sub_vocab_share = QLabel("")  # "25% of 151,936"
 
-        self.speculative = QCheckBox("Speculative decoding")
-        self.draft_depth = QSpinBox()
-        self.draft_depth.setRange(1, MAX_DRAFT_DEPTH)
-        self.depth_auto = QCheckBox("Auto")
-        self.max_draft_depth = QSpinBox()
-        self.max_draft_depth.setRange(1, MAX_DRAFT_DEPTH)
-        self.max_draft_depth.setPrefix("up to ")
-        self.p_min = QDoubleSpinBox()
-        self.p_min.setRange(0.0, 1.0)
-        self.p_min.setSingleStep(0.05)
-        self.p_min.setDecimals(2)
-        self.chain = QCheckBox("Chain draft steps")
-        self.sub_vocab = QSpinBox()
-        self.sub_vocab.setRange(0, 1_000_000)
-        self.sub_vocab.setSingleStep(1024)
-        self.sub_vocab.setSpecialValueText("all")
-        self.sub_vocab.setGroupSeparatorShown(True)
-        self.sub_vocab_share = QLabel("")
-        self.mirror_output = QCheckBox("Mirror output layer")
-        self.plan_pool = QSpinBox()
-        self.plan_pool.setRange(0, MAX_PLAN_POOL)
-        # Apply typed numbers on Enter / focus-out, not per keystroke ("1" then "16").
-        for spin in (self.draft_depth, self.p_min, self.sub_vocab, self.plan_pool, self.max_draft_depth):
-            spin.setKeyboardTracking(False)
-
-        self.widgets: dict[str, QWidget] = {
-            "speculative": self.speculative,
-            "draft_depth": self.draft_depth,
-            "max_draft_depth": self.max_draft_depth,
-            "p_min": self.p_min,
-            "chain": self.chain,
-            "sub_vocab": self.sub_vocab,
-            "mirror_output": self.mirror_output,
-            "plan_pool": self.plan_pool,
-        }
         form = QFormLayout(self)
-        form.addRow(self.speculative)
-        depth_row = QHBoxLayout()
-        depth_row.addWidget(self.draft_depth, 1)
-        depth_row.addWidget(self.depth_auto)
-        depth_row.addWidget(self.max_draft_depth, 1)
-        form.addRow("Draft depth", depth_row)
-        form.addRow("p_min", self.p_min)
-        form.addRow(self.chain)
-        sub_vocab_row = QHBoxLayout()
-        sub_vocab_row.addWidget(self.sub_vocab, 1)
-        sub_vocab_row.addWidget(self.sub_vocab_share)
-        form.addRow("Sub-vocab", sub_vocab_row)
-        form.addRow(self.mirror_output)
-        form.addRow("Plan pool", self.plan_pool)
+        for name, knob in self.knobs.items():
+            if "beside" in CONTROL_LOOKS.get(name, {}):
+                continue  # on its host's row
+            widget = self.widgets[name]
+            if knob.type is bool:
+                form.addRow(widget)
+                continue
+            extras = [self.depth_auto] if name == "draft_depth" else []
+            extras += [self.widgets[n] for n in self.knobs if CONTROL_LOOKS.get(n, {}).get("beside") == name]
+            extras += [self.sub_vocab_share] if name == "sub_vocab" else []
+            if not extras:
+                form.addRow(knob.label, widget)
+                continue
+            row = QHBoxLayout()
+            row.addWidget(widget, 1)
+            for extra in extras:
+                row.addWidget(extra, 1 if extra in self.widgets.values() else 0)
+            form.addRow(knob.label, row)
         self.pending_label = QLabel("")
         self.pending_label.setWordWrap(True)
         self.pending_label.setStyleSheet("color:#666;")
@@ -136,47 +178,56 @@ class KnobPanel(QGroupBox):
 
         self._updating = False
         self.set_settings(EngineSettings())
-        for checkbox in (self.speculative, self.chain, self.mirror_output, self.depth_auto):
-            checkbox.toggled.connect(self._on_user_change)
-        for spin in (self.draft_depth, self.sub_vocab, self.plan_pool, self.max_draft_depth):
-            spin.valueChanged.connect(self._on_user_change)
-        self.p_min.valueChanged.connect(self._on_user_change)
+        for widget in [*self.widgets.values(), self.depth_auto]:
+            signal = widget.toggled if isinstance(widget, QCheckBox) else widget.valueChanged
+            signal.connect(self._on_user_change)
 
     def set_colors(self, colors: Any) -> None:
         for label in (self.pending_label, self.glossary_label):
             label.setStyleSheet(f"color:{colors.muted};")
 
     def settings(self) -> EngineSettings:
-        return EngineSettings(
-            speculative=self.speculative.isChecked(),
-            draft_depth="auto" if self.depth_auto.isChecked() else self.draft_depth.value(),
-            max_draft_depth=self.max_draft_depth.value(),
-            p_min=round(self.p_min.value(), 4),
-            chain=self.chain.isChecked(),
-            sub_vocab=self.sub_vocab.value(),
-            mirror_output=self.mirror_output.isChecked(),
-            plan_pool=self.plan_pool.value(),
-        )
+        values = {name: _control_value(knob, self.widgets[name]) for name, knob in self.knobs.items()}
+        if self.depth_auto.isChecked():
+            values["draft_depth"] = "auto"
+        return EngineSettings(**values)
 
     def set_settings(self, settings: EngineSettings, emit: bool = False) -> None:
         """Show `settings` (e.g. a profile being applied); emit=True also applies them."""
         self._updating = True
         try:
-            self.speculative.setChecked(settings.speculative)
             self.depth_auto.setChecked(settings.adaptive)
-            if not settings.adaptive:
-                self.draft_depth.setValue(settings.draft_depth)
-            self.max_draft_depth.setValue(settings.max_draft_depth)
-            self.p_min.setValue(settings.p_min)
-            self.chain.setChecked(settings.chain)
-            self.sub_vocab.setValue(settings.sub_vocab)
-            self.mirror_output.setChecked(settings.mirror_output)
-            self.plan_pool.setValue(settings.plan_pool)
+            for name, knob in self.knobs.items():
+                value = getattr(settings, name)
+                if name == "draft_depth" and settings.adaptive:
+                    continue  # the spin box keeps the last fixed depth, for when Auto goes off
+                _set_control_value(knob, self.widgets[name], value)
         finally:
             self._updating = False
         self._refresh_availability()
         if emit:
             self.settings_changed.emit(self.settings())
+
+    def save_state(self) -> dict[str, Any]:
+        """The knobs' settings, field by field (what restore_state takes back)."""
+        return self.settings().to_dict()
+
+    def restore_state(self, state: Mapping[str, Any]) -> list[str]:
+        """Show the settings a saved state holds. Untrusted: a field whose value EngineSettings refuses keeps
+        its default (its name is returned), an unknown key is skipped, and nothing raises."""
+        if not isinstance(state, Mapping):
+            self.set_settings(EngineSettings())
+            return ["(not a table of settings)"]
+        settings, bad = EngineSettings(), []
+        for name in self.knobs:
+            if name not in state:
+                continue
+            try:
+                settings = settings.replace(**{name: state[name]})
+            except (ValueError, TypeError):
+                bad.append(name)
+        self.set_settings(settings)
+        return bad
 
     def set_context(self, device: str, device_count: int, vocab_size: int | None) -> None:
         """Where the engine runs: decides which knobs can act. vocab_size bounds sub-vocab."""
@@ -356,9 +407,17 @@ class RunPanel(QGroupBox):
     model_changed = Signal()
     model_refused = Signal(str)  # a chosen folder that is not a model: why
 
-    def __init__(self, workloads: dict[str, Any], bundled_dir: Path | None, parent: QWidget | None = None):
+    def __init__(
+        self,
+        workloads: dict[str, Any],
+        bundled_dir: Path | None,
+        parent: QWidget | None = None,
+        default_workload: str | None = None,
+    ):
         super().__init__("Run", parent)
         self.workloads = workloads
+        # A first run works with one click: a real prompt, not an empty one.
+        self.default_workload = default_workload if default_workload in workloads else next(iter(workloads), None)
         self._readonly_style = "background:#f4f4f4; color:#444;"
 
         self.model_combo = QComboBox()
@@ -389,7 +448,7 @@ class RunPanel(QGroupBox):
         self.prompt_edit.setMaximumHeight(110)
         self.max_new_tokens = QSpinBox()
         self.max_new_tokens.setRange(1, 32768)
-        self.max_new_tokens.setValue(256)
+        self.max_new_tokens.setValue(DEFAULT_NEW_TOKENS)
         self.repeat = QCheckBox("Repeat until stopped")
         self.repeat.setToolTip(
             "Start the workload again when it finishes, so the plots keep going while you flip knobs"
@@ -417,6 +476,7 @@ class RunPanel(QGroupBox):
         buttons.addWidget(self.run_button)
         buttons.addWidget(self.stop_button)
         form.addRow(buttons)
+        self.select_workload(self.default_workload)
         self._on_workload_changed()
 
     # -- model --
@@ -516,6 +576,85 @@ class RunPanel(QGroupBox):
 
     def prompt(self) -> str:
         return self.prompt_edit.toPlainText()
+
+    # -- state kept between sessions --
+
+    def save_state(self) -> dict[str, Any]:
+        """The choices to bring back next time (restore_state takes them): the model folders listed and the
+        one chosen ("" = bundled), dtype, workload (or the custom prompt), new tokens, repeat."""
+        workload = self.workload_name()
+        state: dict[str, Any] = {
+            "model_dirs": self.model_dirs(),
+            "model_dir": self.model_dir() or "",
+            "dtype": self.dtype(),
+            "workload": workload or CUSTOM_WORKLOAD,
+            "max_new_tokens": self.max_new_tokens.value(),
+            "repeat": self.repeat.isChecked(),
+        }
+        if workload is None:
+            state["custom_prompt"] = self.prompt()
+        return state
+
+    def restore_state(self, state: Mapping[str, Any]) -> list[str]:
+        """Bring back a saved state. Untrusted (read back from a file, where anything may be, as text or
+        lists): a key whose value is unusable is returned and its choice keeps its default; a listed folder
+        that is no longer a model is dropped; unknown keys are skipped; nothing raises."""
+        if not isinstance(state, Mapping):
+            state = {}
+        bad: list[str] = []
+
+        def text(key: str) -> str | None:
+            value = state.get(key)
+            if value is None or (isinstance(value, str) and len(value) <= MAX_STATE_TEXT):
+                return value
+            bad.append(key)
+            return None
+
+        dirs = state.get("model_dirs", [])
+        dirs = [dirs] if isinstance(dirs, str) else dirs  # one folder reads back as a plain string
+        if not isinstance(dirs, list):
+            bad.append("model_dirs")
+            dirs = []
+        for directory in dirs:
+            if (
+                isinstance(directory, str)
+                and len(directory) <= MAX_STATE_TEXT
+                and "\0" not in directory
+                and Path(directory).is_dir()
+                and check_model_dir(directory) is None
+            ):
+                self.add_model_dir(directory)
+        chosen = text("model_dir") or ""
+        index = self.model_combo.findData(chosen) if chosen else 0  # "": the bundled model
+        self.model_combo.setCurrentIndex(max(index, 0))
+        self._last_model_index = self.model_combo.currentIndex()
+
+        dtype = text("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            bad.append("dtype")
+        self.dtype_combo.setCurrentText(dtype if dtype in DTYPES else DTYPES[0])
+
+        workload, custom_prompt = text("workload"), text("custom_prompt") or ""
+        if workload == CUSTOM_WORKLOAD and custom_prompt.strip():
+            self.select_workload(None)
+            self.prompt_edit.setPlainText(custom_prompt)
+        else:  # an empty custom prompt, a workload gone, or none: a real workload, so Run works at once
+            self.select_workload(workload if workload in self.workloads else self.default_workload)
+
+        max_new = state.get("max_new_tokens")
+        try:
+            max_new = DEFAULT_NEW_TOKENS if max_new is None else int(max_new)
+        except (TypeError, ValueError, OverflowError):
+            bad.append("max_new_tokens")
+            max_new = DEFAULT_NEW_TOKENS
+        self.max_new_tokens.setValue(max(1, min(max_new, self.max_new_tokens.maximum())))
+
+        repeat = state.get("repeat", True)
+        if repeat not in (True, False, "true", "false"):
+            bad.append("repeat")
+            repeat = True
+        self.repeat.setChecked(repeat in (True, "true"))
+        return bad
 
     def set_running(self, running: bool) -> None:
         self.run_button.setEnabled(not running)

@@ -1,8 +1,8 @@
-"""GPU and host monitor: an NVML + /proc sampler on its own thread, and the GPU monitor tab.
+"""GPU and host monitor: a sampler on its own thread, and the GPU monitor tab.
 
-The sampler reads every GPU through NVML (`import pynvml`, from the nvidia-ml-py package) and the
-CPU / RAM from /proc/stat and /proc/meminfo (no psutil needed on Linux). It runs on a timer
-scheduled from its start time, so it does not drift, and caches the NVML handles.
+The sampler runs app.hardware's readers (every GPU through NVML; CPU / RAM from /proc/stat and
+/proc/meminfo, no psutil needed on Linux) on a timer scheduled from its start time, so it does not
+drift; the NVML handles are made once.
 
 No NVIDIA driver (nvmlInit raises): the monitor says "no NVIDIA GPU" with NVML's reason, and the
 CPU / RAM part and the rest of the app keep working. A reading NVML cannot give (a GPU without a
@@ -11,10 +11,7 @@ power sensor, an older driver) is None and shown as "n/a", never as zero.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyqtgraph as pg
@@ -29,162 +26,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.plots import SERIES_COLORS, RingBuffer, make_plot
+from app.gui.plots import SERIES_COLORS, make_plot
+from app.hardware import HostReader, MonitorSample, NvmlReader, read_sample
+from app.history import RingBuffer
 
 GIB = 1024**3
 SAMPLE_INTERVAL_S = 0.5
 HISTORY_SAMPLES = 240  # two minutes at 2 Hz
-
-
-@dataclass
-class GpuReading:
-    index: int
-    name: str
-    memory_used_bytes: int | None = None
-    memory_total_bytes: int | None = None
-    utilization_percent: float | None = None
-    temperature_c: float | None = None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    clock_sm_mhz: float | None = None
-    clock_memory_mhz: float | None = None
-
-
-@dataclass
-class HostReading:
-    cpu_percent: float | None = None
-    ram_used_bytes: int | None = None
-    ram_total_bytes: int | None = None
-
-
-@dataclass
-class MonitorSample:
-    time_s: float  # time.monotonic() when it was taken
-    gpus: list[GpuReading] = field(default_factory=list)
-    host: HostReading = field(default_factory=HostReading)
-    nvml_error: str | None = None  # set when there is no usable NVML: "no NVIDIA GPU" state
-
-
-class NvmlReader:
-    """Reads every NVIDIA GPU through NVML. `available` is False (with `unavailable_reason`) when
-    there is no driver, no library or no GPU; read() then returns []."""
-
-    def __init__(self, nvml: Any = None):
-        self.available = False
-        self.unavailable_reason = ""
-        self.driver_version: str | None = None
-        self._handles: list[Any] = []
-        self._names: list[str] = []
-        try:
-            if nvml is None:
-                import pynvml as nvml  # from nvidia-ml-py
-            self._nvml = nvml
-            nvml.nvmlInit()
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError, ...
-            self.unavailable_reason = _nvml_message(exc)
-            return
-        try:
-            count = nvml.nvmlDeviceGetCount()
-            for i in range(count):
-                handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                self._handles.append(handle)
-                self._names.append(_text(nvml.nvmlDeviceGetName(handle)))
-            self.driver_version = _text(nvml.nvmlSystemGetDriverVersion())
-        except Exception as exc:
-            self.unavailable_reason = _nvml_message(exc)
-            self.close()
-            return
-        if not self._handles:
-            self.unavailable_reason = "the NVIDIA driver reports no GPU"
-            self.close()
-            return
-        self.available = True
-
-    def read(self) -> list[GpuReading]:
-        if not self.available:
-            return []
-        nvml = self._nvml
-        readings = []
-        for index, (handle, name) in enumerate(zip(self._handles, self._names)):
-            reading = GpuReading(index=index, name=name)
-            memory = _try(nvml.nvmlDeviceGetMemoryInfo, handle)
-            if memory is not None:
-                reading.memory_used_bytes = int(memory.used)
-                reading.memory_total_bytes = int(memory.total)
-            utilization = _try(nvml.nvmlDeviceGetUtilizationRates, handle)
-            if utilization is not None:
-                reading.utilization_percent = float(utilization.gpu)
-            temperature = _try(nvml.nvmlDeviceGetTemperature, handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0))
-            if temperature is not None:
-                reading.temperature_c = float(temperature)
-            power_mw = _try(nvml.nvmlDeviceGetPowerUsage, handle)
-            if power_mw is not None:
-                reading.power_w = power_mw / 1000.0
-            limit_mw = (
-                _try(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-                if hasattr(nvml, "nvmlDeviceGetEnforcedPowerLimit")
-                else None
-            )
-            if limit_mw is not None:
-                reading.power_limit_w = limit_mw / 1000.0
-            sm = _try(nvml.nvmlDeviceGetClockInfo, handle, getattr(nvml, "NVML_CLOCK_SM", 1))
-            if sm is not None:
-                reading.clock_sm_mhz = float(sm)
-            mem = _try(nvml.nvmlDeviceGetClockInfo, handle, getattr(nvml, "NVML_CLOCK_MEM", 2))
-            if mem is not None:
-                reading.clock_memory_mhz = float(mem)
-            readings.append(reading)
-        return readings
-
-    def close(self) -> None:
-        if getattr(self, "_nvml", None) is None:
-            return
-        with contextlib.suppress(Exception):  # shutting down: nothing left to report
-            self._nvml.nvmlShutdown()
-        self._handles = []
-        self.available = False
-
-
-class HostReader:
-    """CPU use from /proc/stat deltas and RAM from /proc/meminfo (None where /proc is absent)."""
-
-    def __init__(self, proc: Path = Path("/proc")):
-        self._proc = proc
-        self._last_cpu: tuple[int, int] | None = None
-        self.read()  # prime the CPU counters so the first real reading is a delta
-
-    def read(self) -> HostReading:
-        return HostReading(cpu_percent=self._cpu_percent(), **self._memory())
-
-    def _cpu_percent(self) -> float | None:
-        try:
-            first = (self._proc / "stat").read_text().splitlines()[0].split()
-        except (OSError, IndexError):
-            return None
-        values = [int(v) for v in first[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        total = sum(values[:8])  # guest time is already counted in user time
-        last, self._last_cpu = self._last_cpu, (idle, total)
-        if last is None or total <= last[1]:
-            return None
-        return 100.0 * (1.0 - (idle - last[0]) / (total - last[1]))
-
-    def _memory(self) -> dict[str, int | None]:
-        try:
-            lines = (self._proc / "meminfo").read_text().splitlines()
-        except OSError:
-            return {"ram_used_bytes": None, "ram_total_bytes": None}
-        kib = {}
-        for line in lines:
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                kib[key] = int(parts[0])
-        total = kib.get("MemTotal")
-        available = kib.get("MemAvailable", kib.get("MemFree"))
-        if total is None or available is None:
-            return {"ram_used_bytes": None, "ram_total_bytes": None}
-        return {"ram_used_bytes": (total - available) * 1024, "ram_total_bytes": total * 1024}
 
 
 class MonitorSampler(QObject):
@@ -228,9 +76,7 @@ class MonitorSampler(QObject):
         if self._nvml is None:
             self._nvml = NvmlReader(self._nvml_module)
             self._host = HostReader()
-        gpus = self._nvml.read()
-        error = None if self._nvml.available else self._nvml.unavailable_reason
-        return MonitorSample(time.monotonic(), gpus, self._host.read(), error)
+        return read_sample(self._nvml, self._host)
 
     @property
     def driver_version(self) -> str | None:
@@ -408,28 +254,6 @@ class MonitorTab(QWidget):
     def showEvent(self, event: Any) -> None:  # noqa: N802 (Qt's name)
         super().showEvent(event)
         self.redraw()
-
-
-def _nvml_message(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, ImportError):
-        return f"the nvidia-ml-py package is not installed ({text})"
-    if "Library Not Found" in text or "LibraryNotFound" in type(exc).__name__:
-        return "the NVIDIA driver's library (libnvidia-ml) was not found — no driver installed"
-    if "Driver Not Loaded" in text:
-        return "the NVIDIA driver is not loaded"
-    return text
-
-
-def _try(function: Any, *args: Any) -> Any:
-    try:
-        return function(*args)
-    except Exception:  # NVMLError_NotSupported and friends: this reading is unavailable
-        return None
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _fmt(value: float | None, unit: str) -> str:

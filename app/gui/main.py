@@ -53,14 +53,14 @@ def run_app(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from app.startup_check import xcb_problem
+    from app.gui.startup_check import xcb_problem
 
     problem = xcb_problem()  # before Qt: a missing library would make it abort (exit 134)
     if problem:
         print(problem, file=sys.stderr)
         return 2
     app = _application([argv[0] if argv else "specdeck", *qt_args])
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     window = MainWindow(model_dir=options.model)
     window.show()
@@ -90,7 +90,7 @@ def screenshot(
     if quiet:
         _silence_qt_warnings()
     app = _application()
-    from app.window import MainWindow
+    from app.gui.window import MainWindow
 
     window = MainWindow(model_dir=model, remember=False, theme=theme)
     try:

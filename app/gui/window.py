@@ -33,21 +33,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
-from app.bench_tab import BenchTab
-from app.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
-from app.monitor import MonitorSample, MonitorSampler, MonitorTab
-from app.output_view import OutputView
-from app.plots import RunPlots, settings_summary
-from app.profiles import (
-    Profile,
-    ProfileStore,
-    config_dir,
-    load_last_used,
-    save_last_used,
-)
-from app.profiles_view import ProfilesTab, figures_from_stats
-from app.worker import (
+from app.gui import theme
+from app.gui.bench_tab import BenchTab
+from app.gui.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
+from app.gui.monitor import MonitorSampler, MonitorTab
+from app.gui.output_view import OutputView
+from app.gui.plots import RunPlots
+from app.gui.profiles_view import ProfilesTab, figures_from_stats
+from app.gui.worker import (
     BenchRequest,
     EngineWorker,
     LoadedModel,
@@ -56,12 +49,23 @@ from app.worker import (
     RunRequest,
     RunStarted,
 )
+from app.hardware import MonitorSample
+from app.history import settings_summary
+from app.profiles import (
+    Profile,
+    ProfileStore,
+    config_dir,
+    load_last_used,
+    save_last_used,
+)
 from engine.settings import EngineSettings, knobs
 from engine.untrusted import exists, is_regular_file
 
-ICON_PATH = Path(__file__).resolve().parent.parent / "assets" / "icons" / "specdeck.svg"
+ICON_PATH = Path(__file__).resolve().parents[2] / "assets" / "icons" / "specdeck.svg"
 DEFAULT_WORKLOAD = "code_gen"  # a first run works with one click: a real prompt, not an empty one
-CUSTOM_WORKLOAD = "__custom__"  # how the settings file says "the custom prompt"
+# Panels whose state is kept in last_used.toml (the profile file format, shared with the command line)
+# rather than in a group of window.ini.
+LAST_USED_PANELS = ("knobs",)
 TAB_NAMES = ("Live", "GPU monitor", "Profiles", "Bench")
 
 # (keys, what they do): the Help menu's list, and what the window's actions use.
@@ -140,7 +144,7 @@ class MainWindow(QMainWindow):
             bundled = None
 
         # ---- widgets
-        self.run_panel = RunPanel(self.workloads, bundled)
+        self.run_panel = RunPanel(self.workloads, bundled, default_workload=DEFAULT_WORKLOAD)
         self.knobs = KnobPanel()
         self.sampling_panel = SamplingPanel()
         self.profile_combo = QComboBox()
@@ -251,7 +255,7 @@ class MainWindow(QMainWindow):
         self.profiles_tab.message.connect(self.show_message)
         self.profiles_tab.profiles_changed.connect(self._on_profiles_changed)
         self.bench_tab.start_requested.connect(self.start_bench)
-        from app.tune_panel import TuneRunner
+        from app.gui.tune_panel import TuneRunner
 
         self.tune_runner = TuneRunner(self.worker)
         self._fallbacks_shown: dict = {}
@@ -270,10 +274,12 @@ class MainWindow(QMainWindow):
         self._save_timer = QTimer(self)
         self._save_timer.setSingleShot(True)
         self._save_timer.setInterval(500)
-        self._save_timer.timeout.connect(self._save_last_used)
+        self._save_timer.timeout.connect(lambda: self._save_panel("knobs"))
+        # Each panel saves and restores its own state (save_state() -> dict, restore_state(dict)); the
+        # window only keeps them, each under its name (a group of window.ini, or last_used.toml).
+        self.panels: dict[str, Any] = {"run": self.run_panel, "knobs": self.knobs}
 
         self._on_profiles_changed()
-        self.run_panel.select_workload(DEFAULT_WORKLOAD)
         restored_geometry = False
         if remember:
             restored_geometry = self._restore_state()
@@ -701,7 +707,7 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ tune
 
     def start_tune(self, spec: tuple[list[str], float, int]) -> None:
-        from app.tune_panel import TuneRequest
+        from app.gui.tune_panel import TuneRequest
 
         if self.state != "idle":
             self.show_message("Stop the run before starting a tune")
@@ -813,24 +819,57 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ persistence
 
     def _restore_state(self) -> bool:
-        """Settings, window size and state, choices; returns whether a window geometry was restored."""
-        settings, problem = load_last_used()
-        if settings is not None:
-            self.knobs.set_settings(settings)
-            self.worker.set_settings(settings)
-        if problem:
-            self.show_message(problem)
+        """Every panel's state, then the window's own (size, layout, tab, export folder, active profile);
+        returns whether a window geometry was restored. Nothing saved can stop the window opening."""
         if self._state_notice:
             self.show_message(self._state_notice)
+        bad: list[str] = []
+        restored: dict[str, dict] = {}
+        for name, panel in self.panels.items():
+            try:
+                restored[name] = self._read_panel_state(name)
+                bad += [f"{name}/{key}" for key in panel.restore_state(restored[name])]
+            except Exception as exc:  # a store that cannot be read at all: that panel keeps its defaults
+                self.show_message(f"{name} state not restored ({type(exc).__name__}: {exc}); using defaults")
+        last_used = self.knobs.settings() if restored.get("knobs") else None
+        if last_used is not None:
+            self.worker.set_settings(last_used)
         try:
-            return self._restore_window_state(settings)
+            geometry = self._restore_window_state(last_used, bad)
         except Exception as exc:  # a hand-edited or damaged window.ini: ignored, the window opens anyway
             self.show_message(f"window state not restored (window.ini: {type(exc).__name__}: {exc}); using defaults")
             return False
+        if bad:
+            self.show_message(f"window state: ignored bad value(s) for {', '.join(bad)}")
+        return geometry
 
-    def _restore_window_state(self, settings) -> bool:
+    def _read_panel_state(self, name: str) -> dict[str, Any]:
+        """A panel's saved state as stored (untrusted: the panel checks every value)."""
+        if name in LAST_USED_PANELS:
+            settings, problem = load_last_used()
+            if problem:
+                self.show_message(problem)
+            return settings.to_dict() if settings is not None else {}
         q = self.qsettings
-        bad: list[str] = []
+        q.beginGroup(name)
+        try:
+            return {key: q.value(key) for key in q.childKeys()}
+        finally:
+            q.endGroup()
+
+    def _save_panel(self, name: str) -> None:
+        state = self.panels[name].save_state()
+        if name in LAST_USED_PANELS:
+            try:
+                save_last_used(EngineSettings.from_dict(state))
+            except OSError as exc:
+                self.show_message(f"Could not save the last used settings: {exc}")
+            return
+        for key, value in state.items():
+            self.qsettings.setValue(f"{name}/{key}", value)
+
+    def _restore_window_state(self, last_used: EngineSettings | None, bad: list[str]) -> bool:
+        q = self.qsettings
 
         def text(key: str, default: str) -> str:
             value = q.value(key, default)
@@ -854,42 +893,6 @@ class MainWindow(QMainWindow):
                 restore(value)
             elif value is not None:
                 bad.append(key)
-        dirs = q.value("run/model_dirs", [])
-        dirs = [dirs] if isinstance(dirs, str) else dirs
-        for directory in dirs if isinstance(dirs, list) else []:
-            if (
-                isinstance(directory, str)
-                and "\0" not in directory
-                and Path(directory).is_dir()
-                and check_model_dir(directory) is None
-            ):
-                self.run_panel.add_model_dir(directory)
-        chosen = text("run/model_dir", "")
-        if chosen:
-            index = self.run_panel.model_combo.findData(chosen)
-            if index >= 0:
-                self.run_panel.model_combo.setCurrentIndex(index)
-        else:
-            self.run_panel.model_combo.setCurrentIndex(0)
-        dtype = text("run/dtype", "float32")
-        if self.run_panel.dtype_combo.findText(dtype) >= 0:
-            self.run_panel.dtype_combo.setCurrentText(dtype)
-        workload = text("run/workload", "")
-        custom_prompt = text("run/custom_prompt", "")
-        if workload == CUSTOM_WORKLOAD and custom_prompt.strip():
-            self.run_panel.select_workload(None)
-            self.run_panel.prompt_edit.setPlainText(custom_prompt)
-        elif workload in self.workloads:
-            self.run_panel.select_workload(workload)
-        else:  # first launch, or an empty custom prompt: a real workload, so Run works at once
-            self.run_panel.select_workload(DEFAULT_WORKLOAD)
-        try:
-            max_new = int(q.value("run/max_new_tokens", 256))
-        except (TypeError, ValueError, OverflowError):
-            max_new = 256
-            bad.append("run/max_new_tokens")
-        self.run_panel.max_new_tokens.setValue(max(1, min(max_new, 1 << 30)))
-        self.run_panel.repeat.setChecked(q.value("run/repeat", "true") in (True, "true"))
         self.export_dir = text("export/dir", self.export_dir) or self.export_dir
         tab = q.value("window/tab")
         if tab is not None and str(tab).isdigit() and int(tab) < self.tabs.count():
@@ -900,33 +903,17 @@ class MainWindow(QMainWindow):
             self.profile_combo.setCurrentText(profile.name)
             self.applied_profile = profile
             self.worker.set_settings(profile.settings, profile.sub_vocab_fraction)
-            vocab_fitted = profile.settings if settings is None else settings
-            self.knobs.set_settings(vocab_fitted)
-        if bad:
-            self.show_message(f"window state: ignored bad value(s) for {', '.join(bad)} in window.ini")
+            self.knobs.set_settings(profile.settings if last_used is None else last_used)  # fitted to the vocabulary
         return restored
 
-    def _save_last_used(self) -> None:
-        try:
-            save_last_used(self.knobs.settings())
-        except OSError as exc:
-            self.show_message(f"Could not save the last used settings: {exc}")
-
     def _save_state(self) -> None:
-        self._save_last_used()
+        for name in self.panels:
+            self._save_panel(name)
         q = self.qsettings
         q.setValue("window/geometry", self.saveGeometry())
         q.setValue("window/state", self.saveState())
         q.setValue("window/splitter", self.centralWidget().saveState())
         q.setValue("window/tab", self.tabs.currentIndex())
-        q.setValue("run/model_dirs", self.run_panel.model_dirs())
-        q.setValue("run/model_dir", self.run_panel.model_dir() or "")
-        q.setValue("run/dtype", self.run_panel.dtype())
-        q.setValue("run/workload", self.run_panel.workload_name() or CUSTOM_WORKLOAD)
-        if self.run_panel.workload_name() is None:
-            q.setValue("run/custom_prompt", self.run_panel.prompt())
-        q.setValue("run/max_new_tokens", self.run_panel.max_new_tokens.value())
-        q.setValue("run/repeat", self.run_panel.repeat.isChecked())
         q.sync()
 
     def shutdown(self) -> None:

@@ -404,22 +404,10 @@ class EngineWorker(QObject):
         self.bench_finished.emit(report)
 
 
-def cpu_threads_for_the_engine() -> int:
-    """Intra-op threads for CPU runs in the app: app.threads' rule, the same as the CLI's (one
-    core fewer than the process may use; SPECDECK_CPU_THREADS overrides). The window's thread needs
-    a share of one core to draw, and a pool thread sharing that core makes every op wait for it
-    (seen on a 2-core machine: rounds 10x slower with 2 threads than with 1). A bad
-    SPECDECK_CPU_THREADS falls back to the default here (the CLI refuses it)."""
-    from app.threads import cpu_threads, default_cpu_threads
-
-    try:
-        return cpu_threads()[0]
-    except ValueError:
-        return default_cpu_threads()
-
-
 def leave_a_core_for_the_window() -> None:
     import torch
+
+    from app.threads import cpu_threads_for_the_engine
 
     threads = cpu_threads_for_the_engine()
     if torch.get_num_threads() != threads:

@@ -1,5 +1,5 @@
-"""Live run plots, redrawn from ring buffers by one timer (all plots in the same frame), never
-once per event.
+"""Live run plots, drawn from a RunHistory (app.history: the data, without Qt) by one timer (all plots
+in the same frame), never once per event.
 
 Every time series shares one x axis: seconds since recording started (linked across plots, so
 panning one pans all). Each settings change the engine actually applied (a round whose
@@ -14,14 +14,14 @@ the visible maximum) so the axes do not jitter.
 A run that was stopped and started again leaves a gap: a row of NaNs between the two (curves
 drawn with connect="finite" break there) and a start / stop marker at each end. A finished run
 can be kept as a dashed overlay (or one loaded from an exported CSV) to compare the next with.
+
+RunPlots records nothing itself: rounds, memory samples, markers and the CSV go to and come from
+its `history`; it keeps only what is drawn (curves, marker lines) and when to draw.
 """
 
 from __future__ import annotations
 
-import csv
-import math
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,21 +43,28 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
-from engine.settings import knobs
+from app import history as hist
+from app.gui import theme
+from app.history import (
+    ENGINE_MEMORY_COMPONENTS,
+    GIB,
+    SMOOTHING_ROUNDS,
+    Marker,
+    Overlay,
+    RunHistory,
+    RunMark,
+    rolling_mean,
+)
 
 pg.setConfigOptions(antialias=False, useOpenGL=False, background="w", foreground="#333")
 
 SERIES_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-TIME_SPLIT = [  # (RoundEvent field, legend name, colour): bottom to top in the stacked plot
-    ("time_draft_s", "draft", "#4c78a8"),
-    ("time_verify_s", "verify", "#f58518"),
-    ("time_accept_s", "accept", "#54a24b"),
-    ("time_host_s", "host", "#b279a2"),
+TIME_SPLIT = [  # (RunHistory column, legend name, colour): bottom to top in the stacked plot
+    ("time_draft_ms", "draft", "#4c78a8"),
+    ("time_verify_ms", "verify", "#f58518"),
+    ("time_accept_ms", "accept", "#54a24b"),
+    ("time_host_ms", "host", "#b279a2"),
 ]
-SMOOTHING_ROUNDS = 16  # the window of the smoothed series (a rate over rounds, not an EMA)
-ROUND_HISTORY = 50_000  # rounds kept for plots and CSV; older ones drop off
-MEMORY_HISTORY = 20_000  # memory samples kept
 REDRAW_HZ = 20  # the most frames a second; fewer when frames cost more (PLOT_TIME_SHARE)
 # While a run streams, frames are drawn while the engine thread waits between two rounds
 # (worker.FrameGate), so each frame costs the engine its own time: frames may take at most this
@@ -66,15 +73,8 @@ REDRAW_HZ = 20  # the most frames a second; fewer when frames cost more (PLOT_TI
 PLOT_TIME_SHARE = 0.005
 MAX_FRAME_INTERVAL_S = 1.0
 MIB = 1024**2
-GIB = 1024**3
 # The engine's own memory breakdown (eng.memory(), RoundEvent.run["memory"]), stacked bottom up.
-MEMORY_COMPONENTS = {
-    "weights": "#9ecae1",
-    "kv_cache": "#fdae6b",
-    "snapshot_planes": "#a1d99b",
-    "graph_pools": "#bcbddc",
-    "workspace": "#d9d9d9",
-}
+MEMORY_COMPONENTS = dict(zip(ENGINE_MEMORY_COMPONENTS, ("#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#d9d9d9")))
 MEMORY_SHORT_NAMES = {
     "weights": "weights",
     "kv_cache": "kv",
@@ -87,46 +87,6 @@ MARKER_LABEL_CHARS = 24  # longer labels are shortened; the whole label is in th
 # markers close together sit on different lines instead of over each other.
 MARKER_LANES = (0.92, 0.79, 0.66, 0.53)
 OVERLAY_COLOR = "#888888"
-
-# Short names for marker labels: "depth 3→5", "chain on".
-KNOB_LABELS = {k.name: k.short for k in knobs()}  # from EngineSettings' field metadata
-
-
-class RingBuffer:
-    """The last `capacity` floats, read back oldest-first as a contiguous float64 array.
-
-    Each value is stored twice (at i and i + capacity) so the window is always one slice.
-    None is stored as NaN: a missing reading is a gap, never a zero.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._data = np.full(2 * capacity, np.nan, dtype=np.float64)
-        self._next = 0
-        self._count = 0
-
-    def append(self, value: float | None) -> None:
-        value = np.nan if value is None else float(value)
-        self._data[self._next] = value
-        self._data[self._next + self.capacity] = value
-        self._next = (self._next + 1) % self.capacity
-        self._count = min(self._count + 1, self.capacity)
-
-    def array(self) -> np.ndarray:
-        """A copy (the curve keeps it while we go on writing)."""
-        end = self._next if self._next >= self._count else self._next + self.capacity
-        return self._data[end - self._count : end].copy()
-
-    def last(self) -> float:
-        return self._data[(self._next - 1) % self.capacity] if self._count else math.nan
-
-    def clear(self) -> None:
-        self._data.fill(np.nan)
-        self._next = 0
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
 
 
 def make_plot(title: str, unit: str, x_label: str = "s") -> pg.PlotWidget:
@@ -183,36 +143,10 @@ def _shrinkable(label: pg.LabelItem) -> None:
     label.resizeEvent = resize_event
 
 
-def settings_change_label(before: Any, after: Any) -> str:
-    """'depth 3→5, chain on' for two EngineSettings values."""
-    parts = []
-    for name, (old, new) in before.diff(after).items():
-        label = KNOB_LABELS.get(name, name)
-        if isinstance(new, bool):
-            parts.append(f"{label} {'on' if new else 'off'}")
-        elif name == "sub_vocab":
-            parts.append(f"{label} {old or 'all'}→{new or 'all'}")
-        else:
-            parts.append(f"{label} {old:g}→{new:g}" if isinstance(new, float) else f"{label} {old}→{new}")
-    return ", ".join(parts)
-
-
 def _title(name: str, keys: list[tuple[str, str]]) -> str:
     """A plot title with a colour key: 'Tokens / s  ━ per round  ━ 16-round rate'."""
     spans = "".join(f"&nbsp;&nbsp;<span style='color:{color}'>━</span>&nbsp;{label}" for color, label in keys)
     return f"<b>{name}</b><span style='font-size:8pt'>{spans}</span>"
-
-
-def settings_summary(settings: Any) -> str:
-    """One-line description of a whole EngineSettings: for CSV rows and the bar chart legend."""
-    if not settings.speculative:
-        return "speculative off"
-    depth = f"auto ≤{settings.max_draft_depth}" if settings.adaptive else settings.draft_depth
-    return (
-        f"depth {depth}, p_min {settings.p_min:g}, "
-        f"chain {'on' if settings.chain else 'off'}, sub-vocab {settings.sub_vocab or 'all'}, "
-        f"mirror {'on' if settings.mirror_output else 'off'}, pool {settings.plan_pool}"
-    )
 
 
 class TimedGraphicsLayout(pg.GraphicsLayoutWidget):
@@ -227,64 +161,42 @@ class TimedGraphicsLayout(pg.GraphicsLayoutWidget):
 
 
 @dataclass
-class Marker:
-    time_s: float
-    round_number: int
-    label: str  # the whole label (CSV, tooltip)
+class MarkerLines:
+    """A settings marker of the history as drawn: a labelled line on every time plot."""
+
+    marker: Marker
     lines: list[pg.InfiniteLine]
-    shown: str = ""  # the text on the plots (shortened when long)
-    lane: int = 0
+    shown: str  # the text on the plots (shortened when long)
+    lane: int
+
+    @property
+    def label(self) -> str:  # the whole label (CSV, tooltip)
+        return self.marker.label
+
+    @property
+    def time_s(self) -> float:
+        return self.marker.time_s
 
 
 @dataclass
-class RunMark:
-    """Where a run was stopped or started again (a gap lies between a stop and the next start)."""
+class RunMarkLines:
+    """A stop or start of the history as drawn: a dotted line on every time plot."""
 
-    time_s: float
-    kind: str  # "start" | "stop"
+    mark: RunMark
     lines: list[pg.InfiniteLine]
 
-
-@dataclass
-class Overlay:
-    """A previous run kept for comparison: time since its start and its smoothed series."""
-
-    name: str
-    time_s: np.ndarray
-    series: dict[str, np.ndarray]
+    @property
+    def kind(self) -> str:
+        return self.mark.kind
 
 
 class RunPlots(QWidget):
-    """The Live tab's plots plus their toolbar (pause, clear, export CSV / PNG)."""
+    """The Live tab's plots plus their toolbar (pause, clear, export CSV / PNG), drawn from `history`."""
 
-    # Columns of the per-round buffers (also the CSV columns, in this order).
-    ROUND_COLUMNS = [
-        "time_s",
-        "run",
-        "round",
-        "tokens",
-        "drafted",
-        "accepted",
-        "tokens_per_second",
-        "tokens_per_second_smoothed",
-        "acceptance_rate",
-        "acceptance_rate_smoothed",
-        "accepted_length",
-        "accepted_length_smoothed",
-        "depth",
-        "time_draft_ms",
-        "time_verify_ms",
-        "time_accept_ms",
-        "time_host_ms",
-        "time_round_ms",
-        "engine_memory_bytes",
-    ] + [f"engine_{name}_bytes" for name in MEMORY_COMPONENTS]
-
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, history: RunHistory | None = None):
         super().__init__(parent)
+        self.history = history if history is not None else RunHistory()
         self.paused = False
-        self.recording = False  # memory samples are kept only around loads and runs
-        self._origin_s: float | None = None
         self._dirty = False
         self._last_text_update = 0.0
         self._last_x_update = 0.0
@@ -293,25 +205,8 @@ class RunPlots(QWidget):
         self._rounds_at_last_frame = 0  # rounds plotted by the latest frame (0: none yet)
         self.frame_gate: Any = None  # worker.FrameGate, set by the window
         self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
-        self._rounds = {name: RingBuffer(ROUND_HISTORY) for name in self.ROUND_COLUMNS}
-        self._round_count = 0  # rounds seen since clear (the marker's round number)
-        self._window: deque[tuple[int, int, int, float]] = deque(maxlen=SMOOTHING_ROUNDS)
-        # Settings segments: (first round number, settings); the CSV's settings column.
-        self._segments: list[tuple[int, Any]] = []
-        self._last_settings: Any = None
-        # Per-position acceptance: counts since the latest change, and the segment before it.
-        self._position_drafted = np.zeros(0)
-        self._position_accepted = np.zeros(0)
-        self._previous_positions: tuple[np.ndarray, str] | None = None
-        self._memory_times = RingBuffer(MEMORY_HISTORY)
-        self._memory_used: dict[int, RingBuffer] = {}
-        self._memory_total: dict[int, RingBuffer] = {}
-        self._gpu_names: dict[int, str] = {}
-        self._engine_memory: dict[str, int] = {}
-        self.markers: list[Marker] = []
-        self.run_marks: list[RunMark] = []
-        self._stopped_at: float | None = None  # a stop not yet followed by a start
-        self._label_hints: dict[Any, str] = {}  # settings -> a name for them (a profile's)
+        self.markers: list[MarkerLines] = []  # the history's markers, as drawn
+        self.run_marks: list[RunMarkLines] = []
         self.overlay: Overlay | None = None
 
         layout = QVBoxLayout(self)
@@ -466,8 +361,6 @@ class RunPlots(QWidget):
         self.gain_curve = self.position_plot.plot(
             pen=pg.mkPen("#756bb1", width=2), symbol="o", symbolSize=6, symbolBrush="#756bb1"
         )
-        self.adaptive: dict | None = None
-        self.engine_memory_by_device: dict[str, int] = {}
         self._position_label = ""
         self.memory_used_curves: dict[int, pg.PlotDataItem] = {}
         self.memory_total_curves: dict[int, pg.PlotDataItem] = {}
@@ -482,124 +375,40 @@ class RunPlots(QWidget):
 
     # ------------------------------------------------------------------------------ data in
 
-    def _clock(self, monotonic_s: float) -> float:
-        if self._origin_s is None:
-            self._origin_s = monotonic_s
-        return monotonic_s - self._origin_s
+    @property
+    def recording(self) -> bool:
+        """Whether memory samples are kept (around loads and runs)."""
+        return self.history.recording
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        self.history.recording = on
 
     def add_rounds(self, updates: Iterable[Any]) -> None:
-        """Record RoundUpdates (worker.RoundUpdate: .event, .received_s, .run_id)."""
-        for update in updates:
-            self._add_round(update)
+        """Record RoundUpdates (worker.RoundUpdate: .event, .received_s, .run_id) in the history; a
+        settings change among them gets its marker drawn now."""
+        for marker in self.history.add_updates(updates):
+            self._draw_marker(marker)
         self._mark_dirty()
-
-    def _add_round(self, update: Any) -> None:
-        ev = update.event
-        t = self._clock(update.received_s)
-        settings = ev.settings
-        if self._last_settings is None:
-            self._segments.append((self._round_count, settings))
-        elif settings != self._last_settings:
-            self._segments.append((self._round_count, settings))
-            self._add_marker(t, self._marker_label(self._last_settings, settings))
-            self._start_position_segment(self._last_settings)
-        self._last_settings = settings
-
-        n_tokens = len(ev.tokens)
-        round_s = max(ev.time_round_s, 1e-9)
-        split_ms = [getattr(ev, field) * 1000.0 for field, _, _ in TIME_SPLIT]
-        self._window.append((n_tokens, ev.drafted, ev.accepted, round_s))
-        w_tokens = sum(w[0] for w in self._window)
-        w_drafted = sum(w[1] for w in self._window)
-        w_accepted = sum(w[2] for w in self._window)
-        w_time = sum(w[3] for w in self._window)
-        memory = (ev.run or {}).get("memory") if isinstance(ev.run, dict) else None
-        if memory:
-            self._engine_memory = dict(memory)
-        by_device = (ev.run or {}).get("memory_by_device") if isinstance(ev.run, dict) else None
-        if by_device:
-            self.engine_memory_by_device = {
-                d: sum(v.get(k, 0) for k in MEMORY_COMPONENTS) for d, v in by_device.items()
-            }
-        self.adaptive = getattr(ev, "adaptive", None)
-        row = {
-            "time_s": t,
-            "run": update.run_id,
-            "round": ev.index,
-            "tokens": n_tokens,
-            "drafted": ev.drafted,
-            "accepted": ev.accepted,
-            "tokens_per_second": n_tokens / round_s,
-            "tokens_per_second_smoothed": w_tokens / w_time,
-            "acceptance_rate": ev.accepted / ev.drafted if ev.drafted else None,
-            "acceptance_rate_smoothed": w_accepted / w_drafted if w_drafted else None,
-            "accepted_length": n_tokens,
-            "accepted_length_smoothed": w_tokens / len(self._window),
-            "depth": float(getattr(ev, "depth", 0) or 0),
-            "time_draft_ms": split_ms[0],
-            "time_verify_ms": split_ms[1],
-            "time_accept_ms": split_ms[2],
-            "time_host_ms": split_ms[3],
-            "time_round_ms": round_s * 1000.0,
-            "engine_memory_bytes": sum(self._engine_memory.values()) if self._engine_memory else None,
-        }
-        for name in MEMORY_COMPONENTS:
-            row[f"engine_{name}_bytes"] = self._engine_memory.get(name)
-        for name, value in row.items():
-            self._rounds[name].append(value)
-        self._round_count += 1
-
-        # Accepted drafts are a prefix of the drafted ones: positions 0..accepted-1 hit.
-        if ev.drafted > len(self._position_drafted):
-            grow = ev.drafted - len(self._position_drafted)
-            self._position_drafted = np.concatenate([self._position_drafted, np.zeros(grow)])
-            self._position_accepted = np.concatenate([self._position_accepted, np.zeros(grow)])
-        self._position_drafted[: ev.drafted] += 1
-        self._position_accepted[: ev.accepted] += 1
-
-    def _start_position_segment(self, previous_settings: Any) -> None:
-        if self._position_drafted.any():
-            rates = _safe_ratio(self._position_accepted, self._position_drafted)
-            self._previous_positions = (rates, settings_summary(previous_settings))
-        self._position_drafted = np.zeros(0)
-        self._position_accepted = np.zeros(0)
 
     def _mark_dirty(self) -> None:
         self._dirty = True
 
     def set_engine_memory(self, memory: dict[str, int]) -> None:
         """The engine's own breakdown (eng.memory()), e.g. right after a load."""
-        self._engine_memory = dict(memory)
+        self.history.set_engine_memory(memory)
         self._mark_dirty()
 
     def add_memory_sample(self, sample: Any) -> None:
-        """A monitor.MonitorSample: per-GPU used / total from NVML (kept while recording)."""
-        if not self.recording or not sample.gpus:
-            return
-        self._memory_times.append(self._clock(sample.time_s))
-        for gpu in sample.gpus:
-            if gpu.index not in self._memory_used:
-                self._memory_used[gpu.index] = RingBuffer(MEMORY_HISTORY)
-                self._memory_total[gpu.index] = RingBuffer(MEMORY_HISTORY)
-                for _ in range(len(self._memory_times) - 1):
-                    self._memory_used[gpu.index].append(None)
-                    self._memory_total[gpu.index].append(None)
-            self._gpu_names[gpu.index] = gpu.name
-            used, total = gpu.memory_used_bytes, gpu.memory_total_bytes
-            self._memory_used[gpu.index].append(None if used is None else used / GIB)
-            self._memory_total[gpu.index].append(None if total is None else total / GIB)
-        self._mark_dirty()
+        """A hardware.MonitorSample: per-GPU used / total from NVML (kept while recording)."""
+        if self.history.add_memory_sample(sample):
+            self._mark_dirty()
 
     # ------------------------------------------------------------------------------ markers
 
     def name_settings(self, settings: Any, name: str) -> None:
         """Label the marker for a change to `settings` with `name` (e.g. the profile applied)."""
-        self._label_hints = {settings: name}
-
-    def _marker_label(self, before: Any, after: Any) -> str:
-        if after in self._label_hints:
-            return f"▶ {self._label_hints[after]}"
-        return settings_change_label(before, after)
+        self.history.name_settings(settings, name)
 
     @staticmethod
     def shorten(label: str) -> str:
@@ -610,13 +419,13 @@ class RunPlots(QWidget):
         first = parts[0] if len(parts[0]) <= MARKER_LABEL_CHARS - 8 else parts[0][: MARKER_LABEL_CHARS - 9] + "…"
         return first + (f" +{len(parts) - 1} more" if len(parts) > 1 else "")
 
-    def _add_marker(self, time_s: float, label: str) -> None:
+    def _draw_marker(self, marker: Marker) -> None:
         lane = len(self.markers) % len(MARKER_LANES)  # neighbours never share a line
-        shown = self.shorten(label)
+        shown = self.shorten(marker.label)
         lines = []
         for plot in self.time_plots:
             line = pg.InfiniteLine(
-                pos=time_s,
+                pos=marker.time_s,
                 angle=90,
                 movable=False,
                 pen=pg.mkPen("#d62728", width=1, style=Qt.PenStyle.DashLine),
@@ -628,43 +437,35 @@ class RunPlots(QWidget):
                     "anchors": [(0, 0), (0, 0)],
                 },
             )
-            line.label.setToolTip(label)
-            line.setToolTip(label)
+            line.label.setToolTip(marker.label)
+            line.setToolTip(marker.label)
             plot.addItem(line, ignoreBounds=True)
             lines.append(line)
-        self.markers.append(Marker(time_s, self._round_count, label, lines, shown, lane))
+        self.markers.append(MarkerLines(marker, lines, shown, lane))
 
     # ------------------------------------------------------------------------------ gaps
 
     def mark_stop(self) -> None:
         """The run stopped (not a repeat). Nothing is drawn until a run starts again: the end of
         the data already shows where the last run stopped."""
-        if not len(self._rounds["time_s"]) or self._stopped_at is not None:
-            return
-        self._stopped_at = float(self._rounds["time_s"].last())
+        self.history.mark_stop()
 
     def mark_start(self, monotonic_s: float | None = None) -> None:
-        """A run starts after a stop: stop and start markers, and a gap (NaN row) between them,
-        so the curves do not join straight across the time nothing ran."""
-        if self._stopped_at is None:
+        """A run starts after a stop: stop and start markers, and a gap (a NaN row in the history)
+        between them, so the curves do not join straight across the time nothing ran."""
+        marks = self.history.mark_start(monotonic_s)
+        if marks is None:
             return
-        self._add_run_mark(self._stopped_at, "stop")
-        t = self._clock(time.monotonic() if monotonic_s is None else monotonic_s)
-        row = dict.fromkeys(self.ROUND_COLUMNS)
-        row["time_s"] = (self._stopped_at + t) / 2
-        for name in self.ROUND_COLUMNS:
-            self._rounds[name].append(row[name])
-        self._round_count += 1
-        self._window.clear()  # the 16-round rates start afresh after a gap
-        self._stopped_at = None
-        self._add_run_mark(t, "start")
+        for mark in marks:
+            self._draw_run_mark(mark)
         self._mark_dirty()
 
-    def _add_run_mark(self, time_s: float, kind: str) -> None:
+    def _draw_run_mark(self, mark: RunMark) -> None:
+        kind = mark.kind
         lines = []
         for plot in self.time_plots:
             line = pg.InfiniteLine(
-                pos=time_s,
+                pos=mark.time_s,
                 angle=90,
                 movable=False,
                 pen=pg.mkPen("#7f7f7f", width=1, style=Qt.PenStyle.DotLine),
@@ -678,11 +479,9 @@ class RunPlots(QWidget):
             )
             plot.addItem(line, ignoreBounds=True)
             lines.append(line)
-        self.run_marks.append(RunMark(time_s, kind, lines))
+        self.run_marks.append(RunMarkLines(mark, lines))
 
     # ------------------------------------------------------------------------------ overlay
-
-    OVERLAY_SERIES = ("tokens_per_second_smoothed", "acceptance_rate_smoothed", "accepted_length_smoothed")
 
     def _overlay_curves(self) -> dict[str, pg.PlotDataItem]:
         if not hasattr(self, "_overlay_items"):
@@ -709,32 +508,16 @@ class RunPlots(QWidget):
 
     def keep_as_overlay(self, name: str = "previous run") -> Overlay | None:
         """The plotted run becomes the dashed overlay (time from its start) and the plots clear."""
-        t = self._rounds["time_s"].array()
-        if not t.size:
+        overlay = self.history.to_overlay(name)
+        if overlay is None:
             return None
-        series = {k: self._rounds[k].array() for k in self.OVERLAY_SERIES}
-        overlay = Overlay(name, t - t[np.isfinite(t)][0], series)
         self.clear()
         self.set_overlay(overlay)
         return overlay
 
     def load_overlay(self, path: str | Path) -> Overlay:
         """An exported run (Export CSV) as the overlay. Raises ValueError naming what is wrong."""
-        path = Path(path)
-        try:
-            with path.open(newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f))
-        except (OSError, UnicodeDecodeError, csv.Error) as exc:
-            raise ValueError(f"{path.name}: cannot be read ({exc})") from None
-        needed = ("time_s", *self.OVERLAY_SERIES)
-        if not rows or any(k not in rows[0] for k in needed):
-            raise ValueError(f"{path.name}: not a SpecDeck run export (needs the columns {', '.join(needed)})")
-
-        def column(name: str) -> np.ndarray:
-            return np.array([float(r[name]) if r[name] not in ("", None) else np.nan for r in rows], dtype=np.float64)
-
-        t = column("time_s")
-        overlay = Overlay(path.stem, t - t[0], {k: column(k) for k in self.OVERLAY_SERIES})
+        overlay = hist.load_overlay(path)
         self.set_overlay(overlay)
         return overlay
 
@@ -751,42 +534,26 @@ class RunPlots(QWidget):
             self._mark_dirty()
 
     def clear(self) -> None:
-        for buffer in self._rounds.values():
-            buffer.clear()
-        self._memory_times.clear()
-        self._memory_used.clear()
-        self._memory_total.clear()
+        self.history.clear()
         for curves in (self.memory_used_curves, self.memory_total_curves):
             for curve in curves.values():
                 self.memory_plot.removeItem(curve)
             curves.clear()
         self.memory_plot.setTitle(self._memory_title(with_gpus=False))
-        for marker in self.markers:
-            for plot, line in zip(self.time_plots, marker.lines):
+        for drawn in [*self.markers, *self.run_marks]:
+            for plot, line in zip(self.time_plots, drawn.lines):
                 plot.removeItem(line)
         self.markers.clear()
-        for mark in self.run_marks:
-            for plot, line in zip(self.time_plots, mark.lines):
-                plot.removeItem(line)
         self.run_marks.clear()
-        self._stopped_at = None
-        self._segments.clear()
-        self._window.clear()
-        self._last_settings = None
-        self._round_count = 0
         self._rounds_at_last_frame = 0
-        self._origin_s = None
         self.follow_x = True
         self.speed_plot.setXRange(0, 1, padding=0)
-        self._position_drafted = np.zeros(0)
-        self._position_accepted = np.zeros(0)
-        self._previous_positions = None
         self.summary_label.setText("Cleared.")
         self.redraw(force_ranges=True)
 
     @property
     def round_count(self) -> int:
-        return self._round_count
+        return self.history.round_count
 
     # ------------------------------------------------------------------------------ drawing
 
@@ -798,7 +565,7 @@ class RunPlots(QWidget):
         # once every MAX_FRAME_INTERVAL_S.
         now = time.monotonic()
         frame_s = self._redraw_s + self.graphics.paint_s
-        first_rounds = self._rounds_at_last_frame == 0 and self._round_count > 0  # show a new run at once
+        first_rounds = self._rounds_at_last_frame == 0 and self.history.round_count > 0  # show a new run at once
         if not first_rounds and now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
             return
         gate = self.frame_gate
@@ -813,7 +580,7 @@ class RunPlots(QWidget):
     def draw_frame(self) -> None:
         """Redraw and paint now (synchronously, so the paint is over when this returns)."""
         self._last_frame_s = time.monotonic()
-        self._rounds_at_last_frame = self._round_count
+        self._rounds_at_last_frame = self.history.round_count
         self.frames_drawn += 1
         started = time.perf_counter()
         self.redraw()
@@ -829,7 +596,7 @@ class RunPlots(QWidget):
         """Every plot from the same data in one frame, so they all advance together.
         force_ranges fits the x range to the data and updates the texts now."""
         self._dirty = False
-        r = _Columns(self._rounds)  # a frame copies out only the columns it draws
+        r = self.history.columns()  # a frame copies out only the columns it draws
         t = r["time_s"]
         self.speed_raw_curve.setData(t, r["tokens_per_second"], connect="finite")
         self.speed_smooth_curve.setData(t, r["tokens_per_second_smoothed"], connect="finite")
@@ -852,32 +619,32 @@ class RunPlots(QWidget):
             self._update_texts(r)
 
     def _draw_time_split(self, t: np.ndarray, r: dict[str, np.ndarray]) -> None:
-        columns = ["time_draft_ms", "time_verify_ms", "time_accept_ms", "time_host_ms"]
         gaps = ~np.isfinite(r["time_round_ms"])  # the rows that separate a stop from a start
         stacked = np.zeros_like(t)
-        for curve, column in zip(self.time_split_curves, columns):
-            stacked = stacked + _rolling_mean(r[column], SMOOTHING_ROUNDS)
+        for curve, (column, _, _) in zip(self.time_split_curves, TIME_SPLIT):
+            stacked = stacked + rolling_mean(r[column], SMOOTHING_ROUNDS)
             shown = np.where(gaps, np.nan, stacked)
             curve.setData(t, shown, connect="finite")
         self._time_split_top = stacked
 
     def _draw_positions(self) -> None:
-        rates = _safe_ratio(self._position_accepted, self._position_drafted)
+        rates = self.history.position_rates()
+        previous_positions = self.history.previous_positions
         positions = np.arange(len(rates), dtype=np.float64)
         self.position_bars.setOpts(x=positions, height=np.nan_to_num(rates), width=0.5)
-        if self._previous_positions is not None:
-            previous, _ = self._previous_positions
+        if previous_positions is not None:
+            previous, _ = previous_positions
             self.position_bars_previous.setOpts(
                 x=np.arange(len(previous), dtype=np.float64), height=np.nan_to_num(previous), width=0.8
             )
         else:
             self.position_bars_previous.setOpts(x=[], height=[], width=0.8)
-        gains = np.asarray((self.adaptive or {}).get("expected_tokens_per_s") or [], dtype=np.float64)
+        gains = np.asarray((self.history.adaptive or {}).get("expected_tokens_per_s") or [], dtype=np.float64)
         if gains.size and gains.max() > 0:
             self.gain_curve.setData(np.arange(gains.size, dtype=np.float64), gains / gains.max())
         else:
             self.gain_curve.setData([], [])
-        width = max(len(rates), len(self._previous_positions[0]) if self._previous_positions else 0, gains.size, 1)
+        width = max(len(rates), len(previous_positions[0]) if previous_positions else 0, gains.size, 1)
         self.position_plot.setXRange(-0.6, width - 0.4, padding=0)
         self.position_plot.getAxis("bottom").setTicks([[(i, str(i)) for i in range(width)]])
 
@@ -894,8 +661,8 @@ class RunPlots(QWidget):
         for column, curve in zip(columns, self.memory_component_curves.values()):
             stacked = stacked + column[keep]
             curve.setData(tk, np.where(gk, np.nan, stacked), connect="finite")
-        times = self._memory_times.array()
-        for index, used in self._memory_used.items():
+        times = self.history.memory_times.array()
+        for index, used in self.history.gpu_memory_used.items():
             color = SERIES_COLORS[(index + 3) % len(SERIES_COLORS)]
             if index not in self.memory_used_curves:
                 if not self.memory_used_curves:
@@ -906,7 +673,7 @@ class RunPlots(QWidget):
                 )
             self.memory_used_curves[index].setData(times, used.array() * GIB / scale, connect="finite")
             self.memory_total_curves[index].setData(
-                times, self._memory_total[index].array() * GIB / scale, connect="finite"
+                times, self.history.gpu_memory_total[index].array() * GIB / scale, connect="finite"
             )
 
     def _stop_following(self, *_: Any) -> None:
@@ -916,9 +683,8 @@ class RunPlots(QWidget):
         """Follow the data on x; returns whether the range changed."""
         if not self.follow_x:
             return False
-        last = max(
-            float(t[-1]) if t.size else 0.0, float(self._memory_times.last()) if len(self._memory_times) else 0.0
-        )
+        memory_times = self.history.memory_times
+        last = max(float(t[-1]) if t.size else 0.0, float(memory_times.last()) if len(memory_times) else 0.0)
         if exact:  # a picture being exported: fit the data
             self.speed_plot.setXRange(0, max(last * 1.02, 0.1), padding=0)
             return True
@@ -958,7 +724,7 @@ class RunPlots(QWidget):
             return
         # Memory in MiB or GiB, whichever reads better; the curves are redrawn in that unit.
         peak_bytes = max(
-            [peak(r["engine_memory_bytes"])] + [peak(b.array()) * GIB for b in self._memory_total.values()]
+            [peak(r["engine_memory_bytes"])] + [peak(b.array()) * GIB for b in self.history.gpu_memory_total.values()]
         )
         scale = (GIB, "GiB") if peak_bytes >= GIB else (MIB, "MiB")
         if scale != self.memory_scale:
@@ -976,16 +742,17 @@ class RunPlots(QWidget):
         if label != self._position_label:
             self._position_label = label
             self.position_plot.setLabel("bottom", text=label)
-        if self._engine_memory:
+        engine_memory, by_device = self.history.engine_memory, self.history.engine_memory_by_device
+        if engine_memory:
             unit, name = self.memory_scale
             breakdown = " · ".join(
-                f"{MEMORY_SHORT_NAMES.get(k, k)} {v / unit:,.1f}" for k, v in self._engine_memory.items() if v
+                f"{MEMORY_SHORT_NAMES.get(k, k)} {v / unit:,.1f}" for k, v in engine_memory.items() if v
             )
             # A QLabel, not the plot's axis label: changing that would re-layout every plot.
             text = f"Engine memory ({name}): {breakdown}"
-            if len(self.engine_memory_by_device) > 1:  # several GPUs: every rank's own count
+            if len(by_device) > 1:  # several GPUs: every rank's own count
                 text += " · per device: " + ", ".join(
-                    f"{device} {value / unit:,.1f}" for device, value in self.engine_memory_by_device.items()
+                    f"{device} {value / unit:,.1f}" for device, value in by_device.items()
                 )
             self.memory_label.setText(text)
         finite = np.isfinite(r["time_round_ms"])
@@ -995,7 +762,7 @@ class RunPlots(QWidget):
         rate = r["acceptance_rate_smoothed"][last]
         overlay = f" · dashed: {self.overlay.name}" if self.overlay is not None else ""
         self.summary_label.setText(
-            f"round {self._round_count} · {r['tokens_per_second_smoothed'][last]:.1f} tok/s · "
+            f"round {self.history.round_count} · {r['tokens_per_second_smoothed'][last]:.1f} tok/s · "
             f"acceptance {'n/a' if np.isnan(rate) else f'{rate:.0%}'} · "
             f"{r['accepted_length_smoothed'][last]:.2f} tokens/round · "
             f"round {r['time_round_ms'][last]:.1f} ms{overlay}"
@@ -1004,50 +771,8 @@ class RunPlots(QWidget):
     # ------------------------------------------------------------------------------ export
 
     def export_csv(self, path: str | Path) -> list[Path]:
-        """Write the plotted rounds to `path` (one row per round, with the settings each ran
-        with and the marker label where they changed) and, when there are NVML readings, the
-        per-GPU memory to `<stem>-gpu-memory.csv`. Missing readings are empty, never 0."""
-        path = Path(path)
-        r = {name: buffer.array() for name, buffer in self._rounds.items()}
-        n = len(r["time_s"])
-        first_round = self._round_count - n  # rounds older than the history dropped off
-        segment_starts = [start for start, _ in self._segments]
-        marker_at = {m.round_number: m.label for m in self.markers}
-        written = [path]
-        with path.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.writer(f)
-            writer.writerow(self.ROUND_COLUMNS + ["settings", "marker"])
-            segment = 0
-            for i in range(n):
-                number = first_round + i
-                while segment + 1 < len(segment_starts) and segment_starts[segment + 1] <= number:
-                    segment += 1
-                settings = self._segments[segment][1] if self._segments else None
-                row = [_csv_value(r[name][i], name) for name in self.ROUND_COLUMNS]
-                row.append(settings_summary(settings) if settings is not None else "")
-                row.append(marker_at.get(number, ""))
-                writer.writerow(row)
-        if self._memory_used:
-            memory_path = path.with_name(f"{path.stem}-gpu-memory.csv")
-            times = self._memory_times.array()
-            with memory_path.open("w", newline="", encoding="utf-8") as f:
-                writer = csv.writer(f)
-                writer.writerow(["time_s", "gpu", "name", "memory_used_gib", "memory_total_gib"])
-                for index, used in self._memory_used.items():
-                    used_values = used.array()
-                    total_values = self._memory_total[index].array()
-                    for i, t in enumerate(times):
-                        writer.writerow(
-                            [
-                                f"{t:.4f}",
-                                index,
-                                self._gpu_names.get(index, ""),
-                                _csv_value(used_values[i]),
-                                _csv_value(total_values[i]),
-                            ]
-                        )
-            written.append(memory_path)
-        return written
+        """The history's CSV (RunHistory.export_csv): the rounds, and the per-GPU memory beside them."""
+        return self.history.export_csv(path)
 
     def export_png(self, path: str | Path) -> Path:
         self.redraw(force_ranges=True)
@@ -1055,18 +780,6 @@ class RunPlots(QWidget):
         if not self.graphics.grab().save(str(path)):
             raise OSError(f"could not write {path}")
         return path
-
-
-class _Columns(dict):
-    """The round columns as arrays, each copied out of its ring buffer the first time it is read."""
-
-    def __init__(self, buffers: dict[str, Any]) -> None:
-        super().__init__()
-        self._buffers = buffers
-
-    def __missing__(self, name: str) -> np.ndarray:
-        value = self[name] = self._buffers[name].array()
-        return value
 
 
 def _change_points(rows: np.ndarray) -> np.ndarray:
@@ -1078,28 +791,3 @@ def _change_points(rows: np.ndarray) -> np.ndarray:
     changed = np.flatnonzero(np.any(rows[:, 1:] != rows[:, :-1], axis=0)) + 1
     keep = np.unique(np.concatenate([[0, n - 1], changed, changed - 1]))
     return keep
-
-
-def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
-    if values.size == 0:
-        return values
-    clean = np.nan_to_num(values)
-    sums = np.cumsum(clean)
-    out = np.empty_like(clean)
-    out[:window] = sums[:window] / np.arange(1, min(window, clean.size) + 1)
-    if clean.size > window:
-        out[window:] = (sums[window:] - sums[:-window]) / window
-    return out
-
-
-def _safe_ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(denominator > 0, numerator / np.maximum(denominator, 1), np.nan)
-
-
-def _csv_value(value: float, name: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    if name in ("run", "round", "tokens", "drafted", "accepted") or name.endswith("_bytes"):
-        return str(int(value))
-    return f"{value:.6g}"

@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (
 
 @dataclass
 class TuneRequest:
-    key: Any  # app.worker.ModelKey
+    key: Any  # app.gui.worker.ModelKey
     baseline: Any  # EngineSettings the user has now
     workloads: list[str]
     budget_s: float

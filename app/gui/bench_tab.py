@@ -40,8 +40,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import theme
-from app.plots import SERIES_COLORS, _shrinkable, _style_plot
+from app.gui import theme
+from app.gui.plots import SERIES_COLORS, _shrinkable, _style_plot
 from app.profiles import Profile
 
 # Per arm: {workload or "mixed avg": (mean, min, max)} tokens/s.
@@ -255,7 +255,7 @@ class BenchTab(QWidget):
         export_row.addWidget(self.export_csv_button)
         export_row.addWidget(self.export_json_button)
 
-        from app.tune_panel import TunePanel
+        from app.gui.tune_panel import TunePanel
 
         self.tune_panel = TunePanel(workload_names)
         layout = QVBoxLayout(self)
