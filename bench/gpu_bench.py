@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -202,10 +202,10 @@ def random_9b_weights(device: torch.device, overrides: dict | None = None):
     """(cfg, weights, has_mtp) of a random model of Qwen3.5-9B-like shapes (bf16), built on `device` from a
     fixed seed: every process that calls it gets the same weights (a worker rank builds its own copy)."""
     cfg = ModelConfig.from_dict(RANDOM_9B | (overrides or {}))
-    target, _ = expected_shapes(cfg)
+    target, mtp = expected_shapes(cfg)
     g = torch.Generator(device=device).manual_seed(0)
     w = {}
-    for name, shape in target.items():
+    for name, shape in (target | mtp).items():
         if name.endswith("A_log"):
             w[name] = torch.log(torch.rand(shape, device=device, generator=g) * 8 + 0.5)
         elif name.endswith(FP32_SUFFIXES):  # kept in fp32, as the loader keeps them
@@ -218,14 +218,21 @@ def random_9b_weights(device: torch.device, overrides: dict | None = None):
     for name in list(w):
         if name.endswith("conv1d.weight"):  # [C, 1, K] -> [C, K], as load_weights returns it
             w[name] = w[name][:, 0, :].contiguous()
-    return cfg, w, False
+    return cfg, w, bool(mtp)
 
 
-def random_9b_engine(devices: list[str] | None = None) -> Engine:
+def random_9b_weights_fp32(device: torch.device, overrides: dict | None = None):
+    """The same random 9B-like model in fp32 (for checks that must not depend on bf16 rounding)."""
+    cfg, w, has_mtp = random_9b_weights(device, overrides)
+    return cfg, {k: v.float() for k, v in w.items()}, has_mtp
+
+
+def random_9b_engine(devices: list[str] | None = None, max_context: int = 2048, mtp: bool = False) -> Engine:
     """A random model of Qwen3.5-9B-like shapes, built in memory (bf16); split over `devices` if several
-    (one process per device, each building its own shard)."""
+    (one process per device, each building its own shard). `mtp`: with a (random) one-layer MTP head."""
     devs = [torch.device(d) for d in devices] if devices else [torch.device("cuda")]
-    eng = Engine.from_factory(random_9b_weights, (), IdsOnly(), Path("random-9b-shape"), 2048, devs)
+    args = ({"mtp_num_hidden_layers": 1},) if mtp else ()
+    eng = Engine.from_factory(random_9b_weights, args, IdsOnly(), Path("random-9b-shape"), max_context, devs)
     torch.cuda.empty_cache()
     return eng
 
@@ -351,12 +358,87 @@ def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
     say()
 
 
+def section_ctx(model_dir: Path, lengths: list[int]) -> None:
+    """Long context on the 9B-like model: prefill speed and peak memory, decode speed at each context length,
+    and speculative == greedy at 32k (also on the bundled model in fp32)."""
+    top = max(lengths)
+    say(f"== (ctx) long context, 9B-like shapes (bf16), max_context {top + 512} ==")
+    eng = random_9b_engine(max_context=top + 512, mtp=True)
+    cfg = eng.model.cfg
+    n_full = sum(t == "full_attention" for t in cfg.layer_types)
+    kv_gib = 2 * n_full * (top + 512) * cfg.num_key_value_heads * cfg.head_dim * 2 / 2**30
+    gen = torch.Generator().manual_seed(1)
+    target = EngineSettings(speculative=False, plan_pool=8)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+
+    sess = eng.new_session()
+    eng.generate(ids(4096), 4, target, sess)  # warm-up: kernels, cuBLAS, plans
+    say(f"KV cache of the session: {kv_gib:.2f} GiB ({n_full} attention layers x {top + 512} positions)")
+    say(f"{'prompt':>8} {'prefill t/s':>12} {'peak extra GiB':>15}")
+    for n in [x for x in (4096, 32768, 131072) if x <= top]:
+        sess.reset()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        st = eng.generate(ids(n), 1, target, sess).stats
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        say(f"{n:>8} {st['prefill_tokens'] / st['prefill_s']:>12,.0f} {peak:>15.2f}")
+    say()
+    say(f"{'context':>8} {'decode t/s':>11} {'vs 1k':>6}")
+    first = None
+    for n in lengths:
+        sess.reset()
+        st = eng.generate(ids(n), 64, target, sess).stats
+        first = first or st["tokens_per_second"]
+        say(f"{n:>8} {st['tokens_per_second']:>11.1f} {st['tokens_per_second'] / first:>6.1%}")
+    say()
+    n = 32768 if top >= 32768 else lengths[-1]
+    prompt = ids(n)
+    greedy = eng.generate(prompt, 48, target, sess).tokens
+    for depth in (1, 3, 5):
+        spec = eng.generate(prompt, 48, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
+        say(f"9B-like, {n} context, spec depth {depth} == greedy (48 tokens): {spec.tokens == greedy}")
+    del eng, sess
+    torch.cuda.empty_cache()
+    # bf16 sums in another order (a verify of width d+1 vs one row) can flip a near-tie of the random
+    # model's flat logits; in fp32 the speculative output must be the greedy output exactly
+    eng = Engine.from_factory(
+        random_9b_weights_fp32,
+        ({"mtp_num_hidden_layers": 1},),
+        IdsOnly(),
+        Path("random-9b-fp32"),
+        n + 512,
+        [torch.device("cuda")],
+    )
+    sess = eng.new_session()
+    greedy = eng.generate(prompt, 48, target, sess).tokens
+    for depth in (1, 3, 5):
+        spec = eng.generate(prompt, 48, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
+        say(f"9B-like fp32, {n} context, spec depth {depth} == greedy (48 tokens): {spec.tokens == greedy}")
+    del eng, sess
+    torch.cuda.empty_cache()
+    small = Engine.load(model_dir, device="cuda", dtype="float32", max_context=n + 512)
+    s2 = small.new_session()
+    text = small.tokenizer.encode("def f(x):\n    return x + 1\n" * 4000)[: n - 8]
+    greedy = small.generate(text, 96, target, s2).tokens
+    for depth in (3, 5):
+        spec = small.generate(text, 96, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), s2)
+        say(
+            f"bundled fp32, {len(text)} context, spec depth {depth} == greedy (96 tokens): {spec.tokens == greedy} "
+            f"(accepted per round {spec.stats['mean_accepted_length']:.2f})"
+        )
+    say()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--sections", default="copy,a,b,c,d,bf16")
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ctx", default="1024,8192,32768,131072", help="context lengths of the ctx section")
     a = ap.parse_args()
     from engine import bundled_model_dir
 
@@ -385,6 +467,8 @@ def main() -> int:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_s(eng, a.n)
             del eng
+        if "ctx" in sections:
+            section_ctx(model_dir, [int(x) for x in a.ctx.split(",")])
         if "auto" in sections:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_auto(eng, a.n)

@@ -269,6 +269,7 @@ __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half
 // ------------------------------------------------------------------------------------------------
 #define ATT_WARPS 4
 #define ATT_UNROLL 2
+#define ATT_MIN_CHUNK (ATT_WARPS * ATT_UNROLL * 4)  // keys: four steps of every warp of a block
 
 template <int EPL>
 __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
@@ -285,7 +286,10 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
     const long long start = read_start(start_ptr, start_val);
     long long n = ll_min(start + t + 1, max_ctx);
     n = ll_max(n, 0);
-    const long long chunk = (n + S - 1) / S;
+    // At least ATT_MIN_CHUNK keys a split: the host sizes S for the longest context (it does not know the
+    // length inside a captured plan), so at short lengths the last splits find no keys and return at once.
+    long long chunk = (n + S - 1) / S;
+    chunk = ll_max(chunk, ATT_MIN_CHUNK);
     const long long b = (long long)s * chunk;
     const long long e = ll_min(n, b + chunk);
     const int kvh = h / (Hq / Hkv);
@@ -438,7 +442,7 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
     const long long start = read_start(start_ptr, start_val);
     const long long N = ll_max(0, ll_min(start + T, max_ctx));
     long long chunk = (N + S - 1) / S;
-    chunk = (chunk + KT - 1) / KT * KT;
+    chunk = ll_max((chunk + KT - 1) / KT * KT, 2 * KT);  // whole tiles, at least two (see ATT_MIN_CHUNK)
     const long long b = (long long)s * chunk;
     const long long e = ll_min(N, b + chunk);
     const long long rstride = (long long)Hkv * D;
