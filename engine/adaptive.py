@@ -134,7 +134,7 @@ class DepthController:
         """What the round at `depth` did: `drafted` drafts were valid (p_min may cut some), `accepted` of them
         matched; `captured` rounds (a plan was recorded) are not timed."""
         self.rounds += 1
-        if captured and depth != self.depth:
+        if captured:  # its plans exist now: the next round runs at this depth again and is timed
             self._remeasure = depth
         for i in range(self.max_depth):
             self.tried[i] *= self.decay

@@ -59,8 +59,18 @@ class RunStats:
         self.plan_misses = 0
         self.plan_capture_s = 0.0
         self.stop_reason: str | None = None
+        # the round cost model: depth -> [rounds, draft, verify, accept, host, whole round seconds], over
+        # rounds that captured no plan (a capture is a one-off, not the cost of a depth)
+        self._cost: dict[int, list[float]] = {}
 
     def add(self, ev: RoundEvent) -> None:
+        if ev.plan_misses == 0:
+            c = self._cost.setdefault(ev.depth, [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+            c[0] += 1
+            for i, v in enumerate(
+                (ev.time_draft_s, ev.time_verify_s, ev.time_accept_s, ev.time_host_s, ev.time_round_s), 1
+            ):
+                c[i] += v
         self.rounds += 1
         self.generated += len(ev.tokens)
         self.drafted += ev.drafted
@@ -81,6 +91,15 @@ class RunStats:
         self.plan_misses += ev.plan_misses
         self.plan_capture_s += ev.plan_capture_s
 
+    def round_cost(self) -> dict[int, dict[str, float]]:
+        """Mean seconds of each phase of a round, per depth drafted (0 = no drafting), over rounds that
+        captured no plan: what a round at each depth costs on this model and device."""
+        names = ("draft_s", "verify_s", "accept_s", "host_s", "round_s")
+        return {
+            d: {"rounds": int(c[0]), **{k: c[i] / c[0] for i, k in enumerate(names, 1)}}
+            for d, c in sorted(self._cost.items())
+        }
+
     def as_dict(self, memory: dict[str, int] | None = None) -> dict[str, Any]:
         return {
             "rounds": self.rounds,
@@ -97,6 +116,7 @@ class RunStats:
             "time_verify_s": self.time_verify_s,
             "time_accept_s": self.time_accept_s,
             "time_host_s": self.time_host_s,
+            "round_cost_by_depth": self.round_cost(),
             "prefill_tokens": self.prefill_tokens,
             "prefill_s": self.prefill_s,
             "plan_hits": self.plan_hits,

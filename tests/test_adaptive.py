@@ -125,3 +125,23 @@ def test_auto_depth_on_two_ranks_is_lossless(tiny_model_dir, greedy):
         assert out.tokens == greedy
     finally:
         tp.close()
+
+
+def test_a_new_controller_measures_every_depth_once_then_probes_only_measured_ones():
+    """Exploration is paid at the start of a session: each depth is visited (its plans captured, then timed
+    on the next round), so a later probe or move never lands on a depth without plans in the middle of a run."""
+    ctrl = DepthController(6, start_depth=3)
+    visited = []
+    for r in range(200):
+        d = ctrl.choose()
+        captured = d not in visited
+        visited.append(d)
+        ctrl.observe(d, d, d if r % 3 else 1, 1.0 + 0.1 * d, captured=captured)
+        if r == 40:
+            assert all(ctrl.time_n[x] > 0 for x in range(1, 7)), ctrl.time_n  # every depth timed
+    first = {d: visited.index(d) for d in range(1, 7)}
+    assert max(first.values()) < 2 * 6 + 2  # the sweep: one capture round and one timed round a depth
+    late = visited[40:]
+    for i, d in enumerate(late):
+        if i and d != late[i - 1]:
+            assert ctrl.time_n[d] > 0  # every switch or probe after the sweep lands on a measured depth
