@@ -55,7 +55,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="cpu | cuda | cuda:N, or several comma-separated (cuda:0,cuda:1: tensor parallel) (default: cpu)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="positions a session holds (default: the model's trained length, where half the free memory holds it)",
+    )
     p.add_argument(
         "--gemm",
         default="cublas",

@@ -141,6 +141,11 @@ class Profile:
 # Reading and validating
 
 
+# Settings that profiles saved before they existed do not list, each with the value the engine used then
+# (not today's default, which may change): such a profile still means what it meant.
+SETTINGS_ADDED_LATER = {"prefill_chunk": 2048}
+
+
 def _check_keys(raw: dict, known: set[str], table: str, noun: str, fail, shown_known: set[str] | None = None) -> None:
     """A [table] lists exactly the known keys: unknown ones and missing ones are each one error naming them."""
     unknown = sorted(set(raw) - known)
@@ -213,6 +218,8 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         # The deepest an adaptive depth may go acts only with draft_depth = "auto" (and profiles from
         # before it existed do not list it).
         raw_settings.setdefault("max_draft_depth", EngineSettings().max_draft_depth)
+    for key, before in SETTINGS_ADDED_LATER.items():  # a profile from before a setting: the value it ran with
+        raw_settings.setdefault(key, before)
     # Every setting must be listed: a profile filled in from today's defaults would silently
     # mean something else once a default changes.
     _check_keys(

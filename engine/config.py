@@ -22,6 +22,7 @@ MAX_INTERMEDIATE = 1 << 20
 MAX_VOCAB = 1 << 22
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024  # the attention kernels' limit on one row
+MAX_CONTEXT = 1 << 24  # max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelConfig:
     mtp_num_hidden_layers: int
     eos_token_ids: tuple[int, ...]
     nested: bool  # real checkpoint layout (text under text_config, weights under model.language_model.)
+    max_position_embeddings: int = 0  # the context the model was trained for (0: the config does not say)
 
     @property
     def num_layers(self) -> int:
@@ -168,6 +170,7 @@ class ModelConfig:
             mtp_num_hidden_layers=mtp,
             eos_token_ids=eos_ids,
             nested=nested,
+            max_position_embeddings=num("max_position_embeddings", 0, lo=0, hi=MAX_CONTEXT),
         )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ModelLoadError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")

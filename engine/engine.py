@@ -43,6 +43,8 @@ from .workers import (
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MEMORY_KEYS = ("weights", "kv_cache", "snapshot_planes", "graph_pools", "workspace")
+DEFAULT_CONTEXT = 4096  # max_context when the model's config does not say its trained length
+PARALLEL_DEFAULT_CONTEXT = 65536  # several devices: the cap of the default (ranks must agree before loading)
 
 
 def bundled_model_dir() -> Path:
@@ -192,13 +194,14 @@ class _NoText:
 class Engine:
     """A loaded model. Use `Engine.load(...)`; the rest of this class is the public API."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, model_dir: Path, max_context: int) -> None:
+    def __init__(self, model: Model, tokenizer: Tokenizer, model_dir: Path, max_context: int | None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        self.max_context = max_context
         self.n_planes = MAX_DRAFT_DEPTH + 2
+        self.context_note = f"max_context {max_context:,} (as asked)" if max_context else ""
+        self.max_context = max_context if max_context else self._default_context()
         self._default_session: Session | None = None
         self.cluster: Cluster | None = None  # several devices: rank 0's handle on the worker ranks
         self.collectives: dict[str, Any] = {}
@@ -216,7 +219,7 @@ class Engine:
         model_dir: str | Path | None = None,
         device: str = "cpu",
         dtype: str = "float32",
-        max_context: int = 4096,
+        max_context: int | None = None,
         devices: list[str] | None = None,
         gemm: str = "cublas",
     ) -> Engine:
@@ -254,8 +257,8 @@ class Engine:
             raise ModelLoadError(f"{path}: directory is empty; it needs config.json, *.safetensors, tokenizer.json")
         if dtype not in DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-        if not isinstance(max_context, int) or max_context < 16:
-            raise EngineError(f"max_context must be an integer >= 16, got {max_context!r}")
+        if max_context is not None and (not isinstance(max_context, int) or max_context < 16):
+            raise EngineError(f"max_context must be an integer >= 16 (or None: the model's own), got {max_context!r}")
         devs = [_parse_device(d) for d in devices] if devices else [_parse_device(device)]
         dev = devs[0]
         for d in devs:
@@ -268,6 +271,9 @@ class Engine:
                 f"model's vocab_size {cfg.vocab_size}"
             )
         if len(devs) > 1:
+            # every rank must size its sessions alike: the trained length, at most PARALLEL_DEFAULT_CONTEXT
+            if max_context is None:
+                max_context = min(cfg.max_position_embeddings or DEFAULT_CONTEXT, PARALLEL_DEFAULT_CONTEXT)
             return cls._load_parallel(("dir", str(path), dtype), tokenizer, path, max_context, devs, gemm)
         try:
             weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
@@ -393,6 +399,7 @@ class Engine:
             "gemm": self.model.gemm,
             "parameters": params,
             "max_context": self.max_context,
+            "context_note": self.context_note,  # how max_context was chosen, in one line
             "devices": self.model.device_names,
             "kernels": self.kernel_notice,
             "collectives": self.collectives,
@@ -467,6 +474,34 @@ class Engine:
         check_fits(self.model, settings)
 
     # ---- sessions -------------------------------------------------------------------------------
+    def _default_context(self) -> int:
+        """max_context when none was asked for: the model's trained length (config.json's
+        max_position_embeddings, else DEFAULT_CONTEXT) where a session of it takes at most half of the
+        device's free memory (the rest is for prefill, plans and a second session); else the longest
+        multiple of 1024 that does. Says which in `context_note`."""
+        cfg, dtype, planes, mtp = self.model.cfg, self.model.dtype, self.n_planes, self.model.has_mtp
+        trained = cfg.max_position_embeddings or DEFAULT_CONTEXT
+        free = free_bytes(self.model.device)
+
+        def need(n: int) -> int:
+            return sum(session_bytes(cfg, dtype, n, planes, mtp).values())
+
+        if free is None or need(trained) <= free // 2:
+            source = "the model's trained length" if cfg.max_position_embeddings else "the default"
+            self.context_note = f"max_context {trained:,} ({source})"
+            return trained
+        lo, hi = 1, trained // 1024  # in units of 1024 positions: the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid * 1024) <= free // 2 else (lo, mid - 1)
+        n = max(min(trained, 16), lo * 1024 if need(lo * 1024) <= free // 2 else min(trained, 1024))
+        gib = 2**30
+        self.context_note = (
+            f"max_context {n:,} of the model's {trained:,}: a session of {trained:,} positions needs "
+            f"{need(trained) / gib:,.1f} GiB and {free / gib:,.1f} GiB is free (pass max_context to choose)"
+        )
+        return n
+
     def _check_session_fits(self) -> None:
         need = session_bytes(self.model.cfg, self.model.dtype, self.max_context, self.n_planes, self.model.has_mtp)
         free = free_bytes(self.model.device)
@@ -636,7 +671,9 @@ class Engine:
                 reset = ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens
             if leader and self.cluster is not None:
                 eos = self.tokenizer.eos_token_ids
-                self.cluster.send("run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling)
+                self.cluster.send(
+                    "run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling, sess.settings
+                )
                 if drafter is not None:
                     drafter = leader_drafter(drafter, self.cluster)
             if reset:
@@ -645,7 +682,7 @@ class Engine:
             stats = RunStats()
             t0 = time.perf_counter()
             with self._run_failures(state), torch.inference_mode():
-                stats.prefill_tokens = prefill(self.model, state)
+                stats.prefill_tokens = prefill(self.model, state, sess.settings.prefill_chunk)
             stats.prefill_s = time.perf_counter() - t0
             generated: list[int] = []
             stream_text = _StreamText(self.tokenizer)

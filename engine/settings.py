@@ -95,6 +95,16 @@ class EngineSettings:
         "graphs",
         (0, MAX_PLAN_POOL),
     )
+    prefill_chunk: int = _knob(
+        2048,
+        "Prefill chunk",
+        "chunk",
+        "Prompt tokens per forward pass when a prompt is read in: larger runs the prefill faster on a GPU, "
+        "smaller bounds the memory it takes (64–65536). Never changes the text.",
+        "--prefill-chunk",
+        "tokens",
+        (64, 65536),
+    )
     max_draft_depth: int = _knob(
         8,
         "Draft depth: Auto, up to",

@@ -7,7 +7,7 @@ round loop (`Engine._run`); each replays its own captured graphs, with its all-r
 
 Rank 0 makes every host decision the ranks must share and sends it down one pipe per worker:
   ("session", sid) / ("drop", sid)                  sessions are created and freed on every rank
-  ("run", sid, ids, max_new_tokens, reset, eos, drafter, sampling)   a generation starts
+  ("run", sid, ids, max_new_tokens, reset, eos, drafter, sampling, settings)   a generation starts
   ("round", settings, cancelled)                     at every round boundary: the settings of that round
   ("proposal", tokens)                               a test drafter's proposal (tests only)
   ("end",)                                           the generation is over (normal end, cancel, error)
@@ -453,8 +453,9 @@ def serve(engine, channel: _WorkerChannel) -> None:
             channel.sessions[msg[1]] = engine.new_session(sid=msg[1])
             channel.report()
         elif op == "run":
-            _, sid, ids, max_new, reset, eos, has_drafter, sampling = msg
+            _, sid, ids, max_new, reset, eos, has_drafter, sampling, settings = msg
             sess = channel.sessions[sid]
+            sess.settings = settings  # what the prefill reads (its chunk: every rank runs the same passes)
             engine.tokenizer.eos_token_ids = eos
             drafter = (lambda _tokens, _depth: _expect(channel, "proposal")[1]) if has_drafter else None
             sess.busy.acquire()  # released by the run, as on rank 0

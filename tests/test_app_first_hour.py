@@ -38,6 +38,9 @@ def test_the_first_launch_selects_a_real_workload_and_run_works_at_once(qtbot, m
     assert blocker.args[0].stop_reason in ("length", "eos") and window.last_error is None
     from app.threads import default_cpu_threads
 
+    assert "context 4,096 ·" in window.model_label.text()  # the model's trained length, said where it loads
+    assert "trained length" in window.model_label.toolTip()
+
     assert window.model_label.text().endswith(
         f"· {default_cpu_threads()} CPU thread" + "s" * (default_cpu_threads() != 1)
     )

@@ -52,18 +52,36 @@ def test_an_8k_prompt_takes_bounded_extra_memory(long_model_dir):
     assert long < 256 * mib, (short / mib, long / mib)
 
 
-def test_chunked_prefill_gives_the_same_tokens_as_one_pass(long_model_dir, monkeypatch):
-    """A prompt longer than a chunk (2048 + 451 tokens): the same greedy tokens as feeding it in one pass,
-    and speculation on top of it still exactly greedy."""
-    from engine import spec
-
+def test_chunked_prefill_gives_the_same_tokens_as_one_pass(long_model_dir):
+    """A prompt longer than a chunk (2048 + 451 tokens): the same greedy tokens as feeding it in one pass or
+    in 64-token passes (the prefill_chunk setting), and speculation on top of it still exactly greedy."""
     eng = Engine.load(long_model_dir, max_context=3000)
     ids = [(i * 11) % 300 + 1 for i in range(2500)]
     greedy = eng.generate(ids, 16, EngineSettings(speculative=False), eng.new_session()).tokens
     chunked = eng.generate(ids, 16, EngineSettings(draft_depth=3), eng.new_session()).tokens
-    monkeypatch.setattr(spec, "PREFILL_CHUNK", 10_000)  # one pass over the whole prompt
-    whole = eng.generate(ids, 16, EngineSettings(draft_depth=3), eng.new_session()).tokens
-    assert chunked == whole == greedy
+    whole = eng.generate(ids, 16, EngineSettings(draft_depth=3, prefill_chunk=4096), eng.new_session()).tokens
+    small = eng.generate(ids, 16, EngineSettings(draft_depth=3, prefill_chunk=64), eng.new_session()).tokens
+    assert chunked == whole == small == greedy
+
+
+def test_the_prefill_chunk_setting_sets_the_passes_a_prompt_takes(long_model_dir, monkeypatch):
+    """prefill_chunk is one EngineSettings field (a knob: CLI flag, window control and tooltip come from its
+    metadata) and its use in the engine: a 1000-token prompt is read in ceil(999 / chunk) passes."""
+    from engine import EngineSettings as S
+    from engine.settings import knobs
+
+    assert "prefill_chunk" in {k.name for k in knobs()}
+    eng = Engine.load(long_model_dir, max_context=2000)
+    passes = []
+    real = eng.model.forward
+    monkeypatch.setattr(eng.model, "forward", lambda ids, state: passes.append(len(ids)) or real(ids, state))
+    ids = [(i * 7) % 300 + 1 for i in range(1000)]
+    for chunk, expected in ((64, 16), (256, 4), (2048, 1)):
+        passes.clear()
+        eng.generate(ids, 2, S(speculative=False, prefill_chunk=chunk), eng.new_session())
+        assert len(passes) == expected and max(passes) <= chunk, (chunk, passes)
+    with pytest.raises(ValueError, match="prefill_chunk must be in 64..65536, got 8"):
+        S(prefill_chunk=8)
 
 
 def test_an_impossible_context_is_refused_before_allocation_in_one_line(tiny_model_dir):
@@ -84,3 +102,51 @@ def torch_dtype():
     import torch
 
     return torch.float32
+
+
+def test_max_context_defaults_to_the_models_trained_length(long_model_dir, tiny_model_dir, tmp_path):
+    eng = Engine.load(long_model_dir)  # config.json: max_position_embeddings 20000
+    assert eng.max_context == 20000 and eng.info["max_context"] == 20000
+    assert "trained length" in eng.info["context_note"]
+    assert Engine.load(long_model_dir, max_context=3000).max_context == 3000  # asked for: kept
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    cfg.pop("max_position_embeddings", None)
+    (bare / "config.json").write_text(json.dumps(cfg))
+    assert Engine.load(bare).max_context == 4096  # the config does not say: the default
+
+
+def test_the_default_context_is_cut_to_what_half_the_free_memory_holds(long_model_dir, monkeypatch):
+    """A trained length whose session would not fit: the longest multiple of 1024 that half the free memory
+    holds, said in one line with the sizes."""
+    from engine import engine as engine_module
+
+    ref = Engine.load(long_model_dir, max_context=20000)
+    full = sum(session_bytes(ref.model.cfg, ref.model.dtype, 20000, ref.n_planes, True).values())
+    monkeypatch.setattr(engine_module, "free_bytes", lambda device: full)  # half of it is free for a session
+    eng = Engine.load(long_model_dir)
+    assert 1024 <= eng.max_context < 20000 and eng.max_context % 1024 == 0
+    need = sum(session_bytes(eng.model.cfg, eng.model.dtype, eng.max_context, eng.n_planes, True).values())
+    assert need <= full // 2
+    note = eng.info["context_note"]
+    assert "\n" not in note and "of the model's 20,000" in note and "GiB is free" in note
+    eng.new_session()  # and a session of it is made
+
+
+def test_a_bad_trained_length_in_config_json_is_a_clear_error(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from engine import ModelLoadError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["max_position_embeddings"] = -5
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="max_position_embeddings must be an integer in 0"):
+        Engine.load(bad)

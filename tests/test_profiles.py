@@ -213,3 +213,14 @@ def test_hardware_fingerprint_without_nvidia(monkeypatch):
     assert fingerprint["cpu_count"] == os.cpu_count()
     assert isinstance(fingerprint["gpus"], list)
     assert P.hardware_fingerprint(["NVIDIA H200"])["gpus"] == ["NVIDIA H200"]
+
+
+def test_a_profile_from_before_a_setting_existed_loads_with_the_value_it_ran_with(tmp_path):
+    """prefill_chunk came after profiles were first saved: a file without it is not "incomplete", it gets
+    the chunk the engine used then (2048), whatever today's default."""
+    from app.profiles import SETTINGS_ADDED_LATER, load_profile
+
+    assert "prefill_chunk" not in GOOD
+    path = tmp_path / "old.toml"
+    path.write_text(GOOD, encoding="utf-8")
+    assert load_profile(path).settings.prefill_chunk == SETTINGS_ADDED_LATER["prefill_chunk"] == 2048

@@ -522,9 +522,11 @@ class MainWindow(QMainWindow):
             threads = f" · {count} CPU thread{'s' if count != 1 else ''}"
         self.model_label.setText(
             f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
-            f"vocab {info.get('vocab_size'):,} · {info.get('device')} · {info.get('dtype')}{threads}"
+            f"vocab {info.get('vocab_size'):,} · context {info.get('max_context') or 0:,} · {info.get('device')} · "
+            f"{info.get('dtype')}{threads}"
         )
         self.model_label.setToolTip(
+            f"{info.get('context_note') or ''}\n"
             "CPU threads: the usable cores minus one (SPECDECK_CPU_THREADS or specdeck --threads N overrides)"
         )
         self.state_label.setText(f"Loaded in {loaded.load_s:.1f} s")
