@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from app.cli import main
 from app.workloads import load_workloads
 from engine import Engine, EngineSettings, bundled_model_dir
 from engine.subvocab import FILE_NAME, SubVocabError, build_file, read_order
@@ -228,6 +229,90 @@ def test_sampled_draft_rows_are_scattered_to_token_ids(eng):
         assert torch.allclose(q.gather(1, drafts[:, None])[:, 0], sess.state.probs_buf[:3])
     finally:
         eng.set_sub_vocab_order(None)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+def test_cli_builds_shows_and_refuses_to_overwrite(model_copy, tmp_path, capsys, eng):
+    sample = tmp_path / "sample.txt"
+    sample.write_text("def main():\n    return 0\n" * 30 + "print(i)\n" * 5)
+    path = model_copy / FILE_NAME
+    assert main(["subvocab", "build", "--model", str(model_copy), "--text", str(sample), "--size", "100"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["format"] == "specdeck-subvocab" and data["version"] == 1 and data["vocab_size"] == VOCAB
+    ids = data["ids"]
+    assert len(ids) == 100 == len(set(ids)) and data["tokens_counted"] > 0
+    assert ids[0] == 0  # the end-of-text id first, though the sample never contains it
+    counts = {}
+    for t in eng.tokenizer.encode(sample.read_text()):
+        counts[t] = counts.get(t, 0) + 1
+    by_count = sorted(counts, key=lambda t: (-counts[t], t))
+    assert ids[1 : 1 + len(by_count)] == by_count  # then most frequent first
+    rest = ids[1 + len(by_count) :]
+    assert rest == sorted(rest) and not set(rest) & set(counts)  # then unseen ids, in id order
+    assert not [p for p in model_copy.iterdir() if p.name.endswith(".tmp")]  # written atomically
+
+    before = path.read_bytes()
+    assert main(["subvocab", "build", "--model", str(model_copy), "--text", str(sample)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists; pass --force" in err and err.count("\n") == 1
+    assert path.read_bytes() == before
+    assert main(["subvocab", "build", "--model", str(model_copy), "--text", str(sample), "--force"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert len(json.loads(path.read_text())["ids"]) == VOCAB  # default size: 32768, or the whole vocabulary
+
+    assert main(["subvocab", "show", "--model", str(model_copy), "--first", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert f"{VOCAB} of {VOCAB} ids" in shown and "tokens of sample.txt" in shown
+    assert "'<|endoftext|>'" in shown and shown.rstrip().count("\n") == 4 + 3
+
+    out = tmp_path / "elsewhere.json"
+    assert main(["subvocab", "build", "--model", str(model_copy), "--text", str(sample), "--out", str(out)]) == 0
+    assert read_order(out, VOCAB).size == VOCAB
+    assert Engine.load(model_copy).info["sub_vocab_order"]["size"] == VOCAB
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--size", "0"], "--size must be in 1..320"),
+        (["--size", "321"], "--size must be in 1..320"),
+        (["--text", "MISSING"], "text sample not found"),
+        (["--text", "EMPTY"], "no tokens in the text sample"),
+    ],
+)
+def test_cli_build_errors_are_one_line(model_copy, tmp_path, capsys, args, problem):
+    sample = tmp_path / "sample.txt"
+    sample.write_text("def main():\n")
+    (tmp_path / "EMPTY").write_text("")
+    args = [str(tmp_path / a) if a in ("MISSING", "EMPTY") else a for a in args]
+    text = [] if "--text" in args else ["--text", str(sample)]
+    assert main(["subvocab", "build", "--model", str(model_copy), *text, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdeck: error:") and problem in err and err.count("\n") == 1
+    assert not (model_copy / FILE_NAME).exists()
+
+
+def test_generate_and_bench_say_when_an_order_is_used(model_copy, capsys):
+    write_file(model_copy / FILE_NAME, ids=shuffled_order(150), source="hand made")
+    args = ["--model", str(model_copy), "-n", "6"]
+    assert main(["generate", *args, "--prompt", "def main():", "--sub-vocab", "100"]) == 0
+    assert "sub-vocab order of 150 ids" in capsys.readouterr().err
+    assert main(["generate", *args, "--prompt", "def main():", "--sub-vocab", "151"]) == 0
+    assert "sub-vocab order" not in capsys.readouterr().err  # past the order: not used, not claimed
+    assert main(["bench", *args, "--workloads", "prose", "--rounds", "1", "--sub-vocab", "100"]) == 0
+    assert (
+        "Sub-vocab order: 150 ids (hand made); arms with sub_vocab 1..150 draft through it" in capsys.readouterr().out
+    )
+
+
+def test_cli_show_without_or_with_a_bad_file(model_copy, capsys):
+    assert main(["subvocab", "show", "--model", str(model_copy)]) == 2
+    err = capsys.readouterr().err
+    assert "no sub-vocab order there" in err and "specdeck subvocab build" in err
+    write_file(model_copy / FILE_NAME, ids=[1, 1])
+    assert main(["subvocab", "show", "--model", str(model_copy)]) == 2
+    assert "listed twice" in capsys.readouterr().err
 
 
 # ---- it pays: the bundled model, workloads' text, 1/8 and 1/16 of the vocabulary ---------------------------------
