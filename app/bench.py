@@ -137,6 +137,12 @@ class BenchReport:
                 f"{len(self.workloads)} workload(s) x {self.max_new_tokens} tokens per arm, arms alternating"
             )
             lines.append("")
+        order = (self.meta.get("model") or {}).get("sub_vocab_order") or {}
+        if order.get("size"):
+            k, source = order["size"], order.get("source") or "no source given"
+            lines += [f"Sub-vocab order: {k:,} ids ({source}); arms with sub_vocab 1..{k} draft through it", ""]
+        elif order.get("notice"):
+            lines += [f"Sub-vocab order: none, ids in id order ({order['notice']})", ""]
         names = [a.name for a in self.arms]
         width = max([6, *(len(n) for n in names)])  # arm names are never cut, the columns follow them
         rr_width = max([len("Round results"), *(len(self._round_text(n)) for n in names)])

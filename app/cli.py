@@ -1,4 +1,4 @@
-"""`specdeck` command line: the window (bare), generate, bench, tune, screenshot, --version.
+"""`specdeck` command line: the window (bare), generate, bench, tune, subvocab, screenshot, --version.
 
 Every subcommand goes through the engine's public API. Errors the user can act on print one line
 (`specdeck: error: ...`) and exit with status 2, never a traceback.
@@ -227,11 +227,26 @@ def cmd_generate(a: argparse.Namespace) -> int:
         last = ev
     sys.stdout.write("\n")
     s = last.run
+    remap = f", sub-vocab order of {s['remap_size']:,} ids" if s.get("remap_rounds") else ""
     print(
         f"[{s['generated']} tokens, {s['tokens_per_second']:.1f} t/s, accepted length {s['mean_accepted_length']:.2f}, "
-        f"acceptance {100 * s['acceptance_rate']:.0f}%, {_thread_text(threads)}]",
+        f"acceptance {100 * s['acceptance_rate']:.0f}%{remap}, {_thread_text(threads)}]",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_subvocab(a: argparse.Namespace) -> int:
+    """Build or show the draft's sub-vocabulary order (subvocab.json next to the model; engine/subvocab.py)."""
+    from engine.subvocab import build_file, describe
+
+    if a.action == "build":
+        path, order = build_file(a.model, a.text, a.size, a.out, a.force)
+        print(f"wrote {path}: {order.size:,} ids, most frequent first ({order.source})")
+        return 0
+    from engine.engine import bundled_model_dir
+
+    print(describe(a.model or bundled_model_dir(), a.file, a.first))
     return 0
 
 
@@ -356,6 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-n", type=int, default=64, help="new tokens per run")
     t.add_argument("--save", metavar="NAME", help="save the winner as a profile of this name")
     t.set_defaults(func=cmd_tune)
+
+    v = sub.add_parser(
+        "subvocab",
+        help="the draft's sub-vocab order: which ids a --sub-vocab draft scores, most frequent first (subvocab.json)",
+    )
+    vsub = v.add_subparsers(dest="action", required=True)
+    vb = vsub.add_parser("build", help="count the ids of a text sample with the model's tokenizer, write the order")
+    vb.add_argument("--model", required=True, help="the model directory (its tokenizer; the file goes there)")
+    vb.add_argument("--text", required=True, action="append", help="a text sample to count (repeat for several)")
+    vb.add_argument("--size", type=int, help="ids kept (default: 32768, or the whole vocabulary if smaller)")
+    vb.add_argument("--out", help="where to write (default: MODEL/subvocab.json, which Engine.load reads)")
+    vb.add_argument("--force", action="store_true", help="replace an existing file")
+    vb.set_defaults(func=cmd_subvocab)
+    vs = vsub.add_parser("show", help="describe a model's sub-vocab order: size, source, the first ids decoded")
+    vs.add_argument("--model", help="the model directory (default: the bundled model)")
+    vs.add_argument("--file", help="an order file elsewhere (default: MODEL/subvocab.json)")
+    vs.add_argument("--first", type=int, default=20, help="how many of the first ids to list (default 20)")
+    vs.set_defaults(func=cmd_subvocab)
 
     s = sub.add_parser("screenshot", help="render the window offscreen after a short run, save a PNG")
     s.add_argument("path")

@@ -64,6 +64,19 @@ class DecodeModel(Protocol):
         """Logits over the first `rows` vocabulary ids (0 = all)."""
         ...
 
+    def draft_ids(self, n: int) -> torch.Tensor | None:
+        """The token ids (a device tensor) of the n columns a sub-vocab draft scores, when a sub-vocabulary
+        order holds them; None when the draft scores ids 0..n-1 (or all, n = 0)."""
+        ...
+
+    def draft_pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy (token id, probability) per row over the draft's n-id sub-vocabulary (0 = all), on the device."""
+        ...
+
+    def draft_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """Logits [T, n] over the draft's n-id sub-vocabulary (0 = all), in `draft_ids(n)` order."""
+        ...
+
     def sync(self) -> None:
         """Wait for the device's queued work: the round's one synchronisation."""
         ...

@@ -29,6 +29,7 @@ from .settings import MAX_DRAFT_DEPTH, EngineSettings
 from .spec import check_fits, prefill, run_round
 from .state import Session, session_bytes
 from .stats import RoundEvent, RunStats
+from .subvocab import SubVocabError, SubVocabOrder, check_ids, find_order, fix_hint
 from .tokenizer import Tokenizer
 from .untrusted import one_line
 from .workers import (
@@ -211,6 +212,10 @@ class Engine:
         # Sessions still referenced somewhere: a session dropped by its owner frees its buffers.
         self._live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self.report = None  # a worker rank: sends its memory count to rank 0 after each round
+        # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
+        # folder's subvocab.json is not used.
+        self.sub_vocab_order: SubVocabOrder | None = None
+        self.sub_vocab_notice = ""
 
     # ---- loading --------------------------------------------------------------------------------
     @classmethod
@@ -274,14 +279,49 @@ class Engine:
             # every rank must size its sessions alike: the trained length, at most PARALLEL_DEFAULT_CONTEXT
             if max_context is None:
                 max_context = min(cfg.max_position_embeddings or DEFAULT_CONTEXT, PARALLEL_DEFAULT_CONTEXT)
-            return cls._load_parallel(("dir", str(path), dtype), tokenizer, path, max_context, devs, gemm)
+            eng = cls._load_parallel(("dir", str(path), dtype), tokenizer, path, max_context, devs, gemm)
+        else:
+            try:
+                weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
+            except torch.OutOfMemoryError:
+                raise EngineError(
+                    f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
+                ) from None
+            eng = cls.from_weights(cfg, weights, has_mtp, tokenizer, path, max_context, devs, gemm)
+        eng._use_order_file(path)
+        return eng
+
+    def _use_order_file(self, model_dir: Path) -> None:
+        """The model folder's subvocab.json, when there is one. A bad one (or one that does not fit in memory)
+        is not used: one warning on stderr, kept in info["sub_vocab_order"]["notice"]; the draft scores ids
+        in id order and the file is left as it is."""
         try:
-            weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
+            order = find_order(model_dir, self.cfg.vocab_size)
+            if order is not None:
+                self.set_sub_vocab_order(order.ids, order.source, order.path)
+        except SubVocabError as exc:
+            self.sub_vocab_notice = f"{one_line(exc)}; the draft scores ids in id order ({fix_hint(model_dir)})"
+            print(f"specdeck: warning: {self.sub_vocab_notice}", file=sys.stderr)
+
+    def set_sub_vocab_order(
+        self, ids: list[int] | tuple[int, ...] | None, source: str = "", path: Path | None = None
+    ) -> None:
+        """Draft sub-vocabularies through this order of token ids (most useful first; None: id order), on
+        every rank. The LM head's rows are gathered once here (K x hidden; see engine/subvocab.py); captured
+        plans made before are not reused. SubVocabError for ids that are not distinct ids of the vocabulary,
+        or that do not fit in memory (the engine keeps drafting in id order then)."""
+        checked = None if ids is None else check_ids(ids, self.cfg.vocab_size, "sub-vocab order")
+        try:
+            self.set_model_option("sub_vocab_order", checked)
         except torch.OutOfMemoryError:
-            raise EngineError(
-                f"{path}: the model does not fit in {dev}'s free memory; use a smaller dtype or another device"
+            self.set_model_option("sub_vocab_order", None)
+            self.sub_vocab_order = None
+            raise SubVocabError(
+                f"{path or 'sub-vocab order'}: its {len(checked)} rows of the LM head do not fit in "
+                f"{self.model.device}'s free memory; use a smaller order"
             ) from None
-        return cls.from_weights(cfg, weights, has_mtp, tokenizer, path, max_context, devs, gemm)
+        self.sub_vocab_order = None if checked is None else SubVocabOrder(checked, source, path)
+        self.sub_vocab_notice = ""
 
     @classmethod
     def from_weights(
@@ -403,6 +443,12 @@ class Engine:
             "devices": self.model.device_names,
             "kernels": self.kernel_notice,
             "collectives": self.collectives,
+            "sub_vocab_order": {
+                "size": self.model.remap_size,
+                "source": self.sub_vocab_order.source if self.sub_vocab_order else "",
+                "file": str(self.sub_vocab_order.path) if self.sub_vocab_order and self.sub_vocab_order.path else None,
+                "notice": self.sub_vocab_notice,
+            },
         }
 
     def memory(self) -> dict[str, int]:
@@ -741,6 +787,7 @@ class Engine:
                     plan_capture_s=out.plan_capture_s,
                     depth=settings.draft_depth if settings.speculative else 0,
                     adaptive=rounds.controller.snapshot() if leader and rounds.controller else None,
+                    remapped=out.remapped,
                 )
                 stats.add(ev)
                 if done:
@@ -764,6 +811,7 @@ class Engine:
         out = stats.as_dict(total)
         out["memory_by_device"] = {d: dict(v) for d, v in by_device.items()}
         out["devices"] = len(self.model.device_names)
+        out["remap_size"] = self.model.remap_size  # the sub-vocab order's size (0: none); remap_rounds used it
         out["fallbacks"] = kernel_ops.fallbacks()  # GPU calls that ran as PyTorch references, per op (this process)
         return out
 

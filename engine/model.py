@@ -7,6 +7,7 @@ the PyTorch reference elsewhere); GEMMs are plain PyTorch.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -73,6 +74,17 @@ class Model:
             self.head: torch.Tensor | None = None
         else:
             self.head = weights["lm_head.weight"]
+        # The draft's sub-vocabulary order (engine/subvocab.py), K ids most useful first, or none (id order).
+        # remap_ids [K] on the device maps a scored row back to its token id inside the draft plan; remap_head
+        # [K, H] holds the head's rows in that order (gathered once, contiguous) wherever the whole head is (one
+        # device, or mirrored); vocab-parallel, each rank keeps the rows of its own slice (remap_local_*), in
+        # order, and _remap_pos says where in the order each of them sits.
+        self.remap_ids: torch.Tensor | None = None
+        self.remap_head: torch.Tensor | None = None
+        self.remap_local_ids: torch.Tensor | None = None
+        self.remap_local_head: torch.Tensor | None = None
+        self._remap_pos: list[int] = []
+        self._remap_version = 0  # in plan_tag: a plan never outlives the tensors it read
         self._pack()
 
     def _pack(self) -> None:
@@ -218,12 +230,20 @@ class Model:
             return ops.argmax_prob(self.lm_head(hidden, n), n)
         limit = n if n > 0 else self.cfg.vocab_size
         hi = min(self.vocab_hi, limit)
-        t = hidden.shape[0]
-        if hi > self.vocab_lo:
-            local = F.linear(hidden, self.head_slice[: hi - self.vocab_lo]).float()
+        local = F.linear(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
+        return self._distributed_argmax(hidden.shape[0], local, self.vocab_lo)
+
+    def _distributed_argmax(
+        self, t: int, local: torch.Tensor | None, ids: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax and its probability over every rank's `local` logits [T, c] (None: this rank scores
+        nothing), whose column j is token id `ids + j` (an offset) or `ids[j]` (a device tensor)."""
+        if local is not None:
+            local = local.float()
             m, i = local.max(dim=-1)
             z = torch.exp(local - m[:, None]).sum(dim=-1)
-            mine = torch.stack((m, (i + self.vocab_lo).float(), z))  # [3, T]; ids < 2^24 are exact
+            tok = i + ids if isinstance(ids, int) else ids.index_select(0, i)
+            mine = torch.stack((m, tok.float(), z))  # [3, T]; ids < 2^24 are exact
         else:  # this rank's slice lies past the sub-vocabulary
             mine = torch.zeros((3, t), device=self.device)
             mine[0].fill_(float("-inf"))
@@ -233,6 +253,66 @@ class Model:
         top = m.gather(0, best[None])[0]
         total = (z * torch.exp(m - top[None])).sum(dim=0)
         return i.gather(0, best[None])[0].long(), 1.0 / total
+
+    # ---- the draft's sub-vocabulary ---------------------------------------------------------------
+    def draft_ids(self, n: int) -> torch.Tensor | None:
+        """The token ids of the n columns a sub-vocab draft scores, as a device tensor, when a sub-vocabulary
+        order holds them (0 < n <= its size); None when the draft scores ids 0..n-1 (or all, n = 0)."""
+        if self.remap_ids is None or not 0 < n <= self.remap_ids.shape[0]:
+            return None
+        return self.remap_ids[:n]
+
+    def draft_pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy (token, prob) per row over the draft's n-id sub-vocabulary (0 = all): the first n ids of
+        the sub-vocabulary order when there is one that holds them, else ids 0..n-1 (`pick`). The pick is
+        mapped back to its token id on the device; prob is over the n scored ids."""
+        ids = self.draft_ids(n)
+        if ids is None:
+            return self.pick(hidden, n)
+        if self.head is not None or self.combine == "gather":
+            tok, prob = ops.argmax_prob(self.draft_logits(hidden, n), 0)
+            return ids.index_select(0, tok), prob
+        c = bisect.bisect_left(self._remap_pos, n)  # this rank's rows among the first n of the order
+        local = F.linear(hidden, self.remap_local_head[:c]) if c else None
+        return self._distributed_argmax(hidden.shape[0], local, self.remap_local_ids[:c])
+
+    def draft_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """Logits [T, n] over the draft's n-id sub-vocabulary (0 = all), column j being token `draft_ids(n)[j]`
+        (ids 0..n-1 when that is None). Vocab-parallel without a mirror: whole rows gathered, then picked."""
+        ids = self.draft_ids(n)
+        if ids is None:
+            return self.lm_head(hidden, n)
+        if self.remap_head is not None:
+            return F.linear(hidden, self.remap_head[:n])
+        return self.lm_head(hidden).index_select(1, ids)
+
+    @property
+    def remap_size(self) -> int:
+        """K, the size of the sub-vocabulary order in use (0: none, the draft scores ids in id order)."""
+        return 0 if self.remap_ids is None else self.remap_ids.shape[0]
+
+    def set_sub_vocab_order(self, ids: list[int] | tuple[int, ...] | None) -> None:
+        """Use this order of token ids for sub-vocab drafts (checked by the caller: distinct, in range), or
+        none (None). Gathers the head's rows once: K x hidden on this device (vocab-parallel: this rank's
+        share, plus all K while the head is mirrored)."""
+        self.remap_ids = self.remap_head = self.remap_local_ids = self.remap_local_head = None
+        self._remap_pos = []
+        self._remap_version += 1
+        if ids is None:
+            return
+        self.remap_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        if self.group.active:
+            lo, hi = self.vocab_lo, self.vocab_hi
+            self._remap_pos = [j for j, t in enumerate(ids) if lo <= t < hi]
+            local = torch.tensor([ids[j] for j in self._remap_pos], dtype=torch.long, device=self.device)
+            self.remap_local_ids = local
+            self.remap_local_head = self.head_slice.index_select(0, local - lo)
+        self._gather_remap_head()
+
+    def _gather_remap_head(self) -> None:
+        """remap_head: the whole head's rows in the order's order, wherever the whole head is held."""
+        ok = self.remap_ids is not None and self.head is not None
+        self.remap_head = self.head.index_select(0, self.remap_ids) if ok else None
 
     def sync(self) -> None:
         """Wait for this device's queued work (the round's one synchronisation). With a `watch`, poll
@@ -260,9 +340,13 @@ class Model:
         else:
             self.head = None
         self.mirror = bool(settings.mirror_output)
+        self._gather_remap_head()
 
     def set_option(self, name: str, value) -> None:
-        """Model options that are not user knobs (the bench's "gather" combine)."""
+        """Model options that are not user knobs (the bench's "gather" combine; the sub-vocab order)."""
+        if name == "sub_vocab_order":
+            self.set_sub_vocab_order(value)
+            return
         if name != "combine" or value not in ("argmax", "gather"):
             raise ValueError(f"unknown model option {name}={value!r}")
         self.combine = value
@@ -270,7 +354,8 @@ class Model:
     @property
     def plan_tag(self) -> tuple:
         """Anything beyond the batch shape that a captured plan depends on."""
-        return (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
+        tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
+        return (*tag, self._remap_version) if self._remap_version else tag
 
     @property
     def capturable(self) -> bool:
@@ -281,7 +366,15 @@ class Model:
 
     def weight_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held, by device (shared tensors counted once)."""
-        extra = [t for t in (self.head, self.head_slice) if t is not None]
+        held = (
+            self.head,
+            self.head_slice,
+            self.remap_ids,
+            self.remap_head,
+            self.remap_local_ids,
+            self.remap_local_head,
+        )
+        extra = [t for t in held if t is not None]
         return {str(self.device): [*self.w.values(), *extra]}
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:

@@ -71,8 +71,10 @@ class EngineSettings:
         0,
         "Sub-vocab",
         "sub-vocab",
-        "The draft scores only the first N token ids (the most common ones). The target still checks against "
-        "the full vocabulary, so the output does not change. 0 ('all') = the full vocabulary.",
+        "The draft scores only N token ids: the first N of the model's sub-vocab order (subvocab.json next to "
+        "the model, most frequent first; `specdeck subvocab build` makes one) when it holds N ids, else ids "
+        "0..N-1. The target still checks against the full vocabulary, so the output does not change. "
+        "0 ('all') = the full vocabulary.",
         "--sub-vocab",
         "token ids",
         (0, None),

@@ -6,9 +6,10 @@ target's post-norm hidden of every consumed position r >= mtp_len.
 
 Data flow of one round (the same code on every device; on CUDA the two device phases are captured graphs):
   host  stages [target length, first pending MTP row, last token, catch-up tokens] into static buffers
-  draft MTP catch-up rows + step 1, then steps 2..n; chain on: argmax on the device, (token, prob) into
-        ids_buf / probs_buf — no host decision; chain off: each step's full vocabulary row goes to the
-        host, which picks (the seed's "before")
+  draft MTP catch-up rows + step 1, then steps 2..n; chain on: argmax on the device over the sub-vocab
+        (ids 0..N-1, or the first N ids of the model's sub-vocab order, mapped back to token ids on the
+        device), (token, prob) into ids_buf / probs_buf — no host decision; chain off: each step's full
+        vocabulary row goes to the host, which picks (the seed's "before")
   verify target over ids_buf[:n+1]; hidden rows into state.hidden; argmax; greedy acceptance writes the
         emitted count, the tokens and the new cache length into device buffers
   read  out_buf -> pinned host memory: the round's one device-to-host synchronisation
@@ -64,6 +65,8 @@ class RoundOutcome:
     host_launch_s: float = 0.0
     host_wait_s: float = 0.0
     host_after_s: float = 0.0
+    # The draft scored its sub-vocabulary through the model's sub-vocab order (engine/subvocab.py).
+    remapped: bool = False
 
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward pass: peak memory of a prefill stays that of one chunk
@@ -187,7 +190,7 @@ def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int
     """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
     y = _catch_up(model, state, width)
     for s in range(depth):
-        tok, prob = model.pick(y, sub)
+        tok, prob = model.draft_pick(y, sub)
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
@@ -245,12 +248,21 @@ def _draft_chain_sampled(
     model: DecodeModel, state: SessionState, bufs: SamplingBuffers, width: int, depth: int, sub: int, sp: SamplingParams
 ) -> None:
     """Catch-up rows + `depth` draft steps, each drawn from q on the device; q rows into bufs.q_buf, (token,
-    q(token)) into ids_buf[1:] / probs_buf (p_min applies to q(token))."""
+    q(token)) into ids_buf[1:] / probs_buf (p_min applies to q(token)). With a sub-vocab order, q's columns are
+    the order's ids: the drawn column is mapped to its token id and q is scattered into token-id columns of a
+    zeroed row, so the verify reads q(x) of every token x (zero outside the sub-vocabulary), as it needs."""
     y = _catch_up(model, state, width)
+    ids = model.draft_ids(sub)
     for s in range(depth):
-        q = _process(model.lm_head(y, sub), sp)  # [1, Vq]
+        q = _process(model.draft_logits(y, sub), sp)  # [1, Vq]
         tok, prob = ops.sample_token(q, bufs.seed_buf, state.start_buf, s, ref_ops.RNG_DRAFT)
-        bufs.q_buf[s : s + 1, : q.shape[1]].copy_(q)
+        if ids is None:
+            bufs.q_buf[s : s + 1, : q.shape[1]].copy_(q)
+        else:
+            tok = ids.index_select(0, tok)
+            row = bufs.q_buf[s]
+            row.zero_()
+            row.index_copy_(0, ids, q[0])
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
@@ -356,6 +368,7 @@ def run_round(
 
     n_drafts = depth
     p_min = settings.p_min
+    remapped = False
     if drafter is not None:
         proposal = list(drafter(list(state.tokens), depth))[:depth]
         n_drafts = len(proposal)
@@ -370,7 +383,8 @@ def run_round(
         n_drafts = 0
     elif settings.chain and sp is not None:
         sub = settings.sub_vocab
-        vq = sub or vocab
+        remapped = model.draft_ids(sub) is not None
+        vq = vocab if remapped else sub or vocab  # with an order, q rows are scattered over the token ids
         rows = _catch_up_rows(state, first, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
@@ -382,6 +396,7 @@ def run_round(
             _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
+        remapped = model.draft_ids(sub) is not None
         rows = _catch_up_rows(state, first, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
@@ -466,4 +481,5 @@ def run_round(
         host_launch_s=t_launched - t0,
         host_wait_s=t_synced - t_launched,
         host_after_s=t_end - t_synced,
+        remapped=remapped,
     )

@@ -32,6 +32,8 @@ class RoundEvent:
     # decided from: {"depth", "expected_tokens_per_s" (per depth 1..max), "acceptance", "switches"}.
     depth: int = 0
     adaptive: dict[str, Any] | None = None
+    # The draft scored its sub-vocabulary through the model's sub-vocab order (run stats: remap_size, remap_rounds).
+    remapped: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -58,6 +60,7 @@ class RunStats:
         self.plan_hits = 0
         self.plan_misses = 0
         self.plan_capture_s = 0.0
+        self.remap_rounds = 0
         self.stop_reason: str | None = None
         # the round cost model: depth -> [rounds, draft, verify, accept, host, whole round seconds], over
         # rounds that captured no plan (a capture is a one-off, not the cost of a depth)
@@ -90,6 +93,7 @@ class RunStats:
         self.plan_hits += ev.plan_hits
         self.plan_misses += ev.plan_misses
         self.plan_capture_s += ev.plan_capture_s
+        self.remap_rounds += ev.remapped
 
     def round_cost(self) -> dict[int, dict[str, float]]:
         """Mean seconds of each phase of a round, per depth drafted (0 = no drafting), over rounds that
@@ -122,6 +126,7 @@ class RunStats:
             "plan_hits": self.plan_hits,
             "plan_misses": self.plan_misses,
             "plan_capture_s": self.plan_capture_s,
+            "remap_rounds": self.remap_rounds,
             "stop_reason": self.stop_reason,
             "memory": dict(memory or {}),
         }

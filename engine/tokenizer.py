@@ -84,6 +84,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def decode_one(self, token_id: int) -> str:
+        """One token's text, special tokens shown (for listings such as `specdeck subvocab show`)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def special_ids(self) -> list[int]:
+        """The ids of the tokenizer's special added tokens (end-of-text, chat markers, ...)."""
+        return sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The model's chat template applied to `messages`, within TEMPLATE_SECONDS and the size limits.
         Any failure is one EngineError naming the template's file."""

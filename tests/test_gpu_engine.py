@@ -141,3 +141,41 @@ def test_autotuned_gemm_backend(models):
         assert spec.tokens == ref, w.name
     eager = tuned.generate("def f(x):", 24, EngineSettings(speculative=False, plan_pool=0), tuned.new_session())
     assert eager.tokens == tuned.generate("def f(x):", 24, target, tuned.new_session()).tokens
+
+
+def test_a_sub_vocab_order_in_graphs_with_one_sync(cuda_engines):
+    """A sub-vocab order (engine/subvocab.py) on the GPU: greedy and sampled drafts through it run inside the
+    captured draft plan (the pick mapped back to its token id on the device, sampled q rows scattered to token-id
+    columns), the text stays the target's greedy text, and a round still makes one host synchronisation."""
+    from engine import SamplingParams
+    from engine.subvocab import build_order, count_ids
+
+    eng = cuda_engines.get("bundled", cuda_engines["tiny"])
+    texts = [w.prompt for w in load_workloads().values()]
+    vocab = eng.cfg.vocab_size
+    order = build_order(count_ids(eng.tokenizer.encode, texts), vocab, vocab // 4, sorted(eng.tokenizer.eos_token_ids))
+    prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
+    ref = eng.generate(prompt, N_NEW, EngineSettings(speculative=False, plan_pool=0), eng.new_session()).tokens
+    eng.set_sub_vocab_order(order)
+    try:
+        for sampling in (None, SamplingParams(temperature=0.8, seed=1)):
+            settings = EngineSettings(draft_depth=4, sub_vocab=vocab // 8, plan_pool=16)
+            sess = eng.new_session()
+            first = eng.generate(prompt, N_NEW, settings, sess, sampling=sampling)  # captures the plans
+            assert first.stats["remap_rounds"] == first.stats["rounds"]
+            if sampling is None:
+                assert first.tokens == ref
+                eager = eng.generate(prompt, N_NEW, settings.replace(plan_pool=0), eng.new_session())
+                assert eager.stats["accepted"] == first.stats["accepted"]  # graphs draft what eager drafts
+            sess.reset()
+            stream = eng.stream(prompt, N_NEW, settings, sess, sampling=sampling)
+            tokens = list(next(stream).tokens)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for ev in stream:
+                    tokens += ev.tokens
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert tokens == first.tokens  # replayed plans: the same text (the same draws when sampled)
+    finally:
+        eng.set_sub_vocab_order(None)

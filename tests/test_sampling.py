@@ -444,6 +444,37 @@ def test_engine_first_two_tokens_keep_the_target_distribution(eng, e2e_exact, se
         assert accepted > E2E_SAMPLES // 10  # the accept path ran, not only rejections
 
 
+@pytest.fixture(scope="module")
+def eng_ordered(tiny_model_dir) -> Engine:
+    """The same model drafting its sub-vocabulary through an order far from id order (engine/subvocab.py)."""
+    ordered = Engine.load(tiny_model_dir)
+    ordered.tokenizer.eos_token_ids = frozenset()
+    ordered.set_sub_vocab_order(torch.randperm(320, generator=torch.Generator().manual_seed(9))[:200].tolist())
+    return ordered
+
+
+@pytest.mark.parametrize(
+    "settings", [EngineSettings(draft_depth=4, sub_vocab=160), EngineSettings(draft_depth=2, sub_vocab=200)]
+)
+def test_engine_with_a_sub_vocab_order_keeps_the_target_distribution(eng_ordered, e2e_exact, settings):
+    """Drafts drawn over the order's columns, mapped to token ids, their q rows scattered to token-id columns
+    for the verify: the first two tokens still follow the target's distribution."""
+    ids, exact, cell_of = e2e_exact
+    sess = eng_ordered.new_session()
+    seen: dict = {}
+    accepted = remapped = 0
+    for seed in range(E2E_SAMPLES):
+        res = eng_ordered.generate(ids, 2, settings, sess, sampling=E2E_SAMPLING.replace(seed=seed))
+        cell = cell_of(*res.tokens)
+        seen[cell] = seen.get(cell, 0) + 1
+        accepted += res.stats["accepted"]
+        remapped += res.stats["remap_rounds"]
+    stat, crit, df = _chi_square(seen, exact, E2E_SAMPLES)
+    print(f"chi-square {stat:.1f} < {crit:.1f} (df {df}, alpha {ALPHA}); {accepted} drafts accepted")
+    assert stat < crit, (stat, crit, df, seen)
+    assert accepted > E2E_SAMPLES // 10 and remapped >= E2E_SAMPLES
+
+
 def test_tensor_parallel_draws_the_same_tokens(tiny_model_dir, eng):
     """The draws depend only on the logits, the seed and the position: a model split over two (virtual)
     devices, LM head mirrored or sliced by vocabulary (gathered for sampling), draws the same tokens."""

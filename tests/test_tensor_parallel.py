@@ -114,6 +114,82 @@ def test_ranks_equal_one_process_for_every_knob(model_dir, single, greedy, n):
         _close(tp)
 
 
+def test_a_sub_vocab_order_on_three_ranks(model_dir, single, greedy, tmp_path):
+    """The model folder's subvocab.json is read once and set on every rank. Mirror off, each rank scores the
+    order's ids that fall in its vocabulary slice (a distributed argmax over the first N of the order; a rank
+    may hold none of them); mirror on, every rank holds all K rows. The text is plain greedy in every case, and
+    a sampled run draws what one process with the same order draws."""
+    import json
+    import shutil
+
+    from engine import SamplingParams
+
+    folder = shutil.copytree(model_dir, tmp_path / "ordered")
+    order = torch.randperm(320, generator=torch.Generator().manual_seed(4))[:200].tolist()
+    (folder / "subvocab.json").write_text(json.dumps({"version": 1, "vocab_size": 320, "ids": order}))
+    one = Engine.load(folder)
+    tp = Engine.load(folder, devices=["cpu"] * 3)
+    try:
+        assert tp.info["sub_vocab_order"]["size"] == 200
+        for case in (
+            dict(mirror_output=False, sub_vocab=150),
+            dict(mirror_output=False, sub_vocab=1),  # two of the three ranks score nothing
+            dict(mirror_output=True, sub_vocab=150),
+            dict(mirror_output=False, sub_vocab=250),  # past the order: the first 250 ids, as without one
+            dict(mirror_output=False, sub_vocab=150, chain=False),
+        ):
+            settings = EngineSettings(draft_depth=4).replace(**case)
+            out = tp.generate(PROMPT, 24, settings, tp.new_session())
+            assert out.tokens == greedy, case
+            used = settings.chain and settings.sub_vocab <= 200
+            assert out.stats["remap_rounds"] == (out.stats["rounds"] if used else 0), case
+        tp.set_model_option("combine", "gather")
+        assert (
+            tp.generate(PROMPT, 24, EngineSettings(mirror_output=False, sub_vocab=150), tp.new_session()).tokens
+            == greedy
+        )
+        tp.set_model_option("combine", "argmax")
+        sp = SamplingParams(temperature=4.0, top_p=0.95, seed=3)
+        for mirror in (False, True):
+            settings = EngineSettings(draft_depth=3, sub_vocab=150, mirror_output=mirror)
+            want = one.generate(PROMPT, 24, settings, one.new_session(), sampling=sp)
+            got = tp.generate(PROMPT, 24, settings, tp.new_session(), sampling=sp)
+            assert got.tokens == want.tokens and got.stats["remap_rounds"] == got.stats["rounds"], mirror
+    finally:
+        _close(tp)
+
+
+def test_a_frequency_order_drafts_the_same_on_two_ranks(tmp_path):
+    """The bundled model (it drafts well) with an order built from the workloads' text, set on a running
+    two-rank engine: mirror on or off, the ranks draft what one process drafts through the same order (the
+    same tokens accepted), more than the first N ids in id order give."""
+    from app.workloads import load_workloads
+    from engine import bundled_model_dir
+    from engine.subvocab import build_file
+
+    sample = tmp_path / "workloads.txt"
+    sample.write_text("\n".join(w.prompt for w in load_workloads().values()))
+    _, order = build_file(bundled_model_dir(), [sample], out=tmp_path / "subvocab.json")
+    prompt = load_workloads()["code_gen"].prompt
+    one = Engine.load()
+    one.set_sub_vocab_order(order.ids)
+    tp = Engine.load(devices=["cpu", "cpu"])
+    try:
+        tp.set_sub_vocab_order(order.ids, order.source)
+        for mirror in (False, True):
+            settings = EngineSettings(draft_depth=4, sub_vocab=1024, mirror_output=mirror)
+            want = one.generate(prompt, 32, settings, one.new_session())
+            got = tp.generate(prompt, 32, settings, tp.new_session())
+            assert got.tokens == want.tokens and got.stats["remap_rounds"] == got.stats["rounds"]
+            assert got.stats["accepted"] == want.stats["accepted"], mirror
+        tp.set_sub_vocab_order(None)
+        prefix = tp.generate(prompt, 32, settings, tp.new_session())
+        assert prefix.tokens == want.tokens and prefix.stats["remap_rounds"] == 0
+        assert prefix.stats["accepted"] < want.stats["accepted"]
+    finally:
+        _close(tp)
+
+
 def test_two_kv_heads_on_three_ranks(tiny_model_dir):
     """The default tiny model has 2 KV heads and 2 delta-net key heads: on 3 ranks they are replicated."""
     one = Engine.load(tiny_model_dir)
