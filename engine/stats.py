@@ -32,6 +32,9 @@ class RoundEvent:
     # decided from: {"depth", "expected_tokens_per_s" (per depth 1..max), "acceptance", "switches"}.
     depth: int = 0
     adaptive: dict[str, Any] | None = None
+    # Synthetic acceptance (settings.synthetic_rates): the accepted count was drawn, not decided by the target,
+    # so this round's text is not the model's output and its figures measure speed only.
+    synthetic: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,9 +62,11 @@ class RunStats:
         self.plan_misses = 0
         self.plan_capture_s = 0.0
         self.stop_reason: str | None = None
+        self.synthetic = False  # any round ran with synthetic acceptance: the run's text is not the model's
 
     def add(self, ev: RoundEvent) -> None:
         self.rounds += 1
+        self.synthetic = self.synthetic or ev.synthetic
         self.generated += len(ev.tokens)
         self.drafted += ev.drafted
         self.accepted += ev.accepted
@@ -103,5 +108,6 @@ class RunStats:
             "plan_misses": self.plan_misses,
             "plan_capture_s": self.plan_capture_s,
             "stop_reason": self.stop_reason,
+            "synthetic": self.synthetic,
             "memory": dict(memory or {}),
         }
