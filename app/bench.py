@@ -9,6 +9,11 @@ counts decode rounds only (prefill excluded), as llama.cpp's server timings do. 
 Every figure comes with the spread of its repeats (min / median / max over the rounds), and a
 difference whose ranges overlap is called "no clear difference", never a win: on a busy or
 oversubscribed CPU the same A/B can change sign from one run to the next.
+
+Synthetic acceptance (`--synthetic-rates`, the Bench tab's field, or a bench profile): the arms draft and verify
+as usual but accept as many drafts as the rates draw, so the figures measure speed at those rates and the text
+is not the model's output. The report says so first (SYNTHETIC_BANNER), marks every row and leaves those arms
+out of the text check.
 """
 
 from __future__ import annotations
@@ -26,6 +31,32 @@ from engine.sampling import SamplingParams
 from engine.settings import EngineSettings
 
 from .workloads import WORKLOAD_NAMES, load_workloads
+
+SYNTHETIC_BANNER = "SYNTHETIC ACCEPTANCE — figures measure speed only, the text is not the model's output"
+
+
+def parse_synthetic_rates(text: str) -> tuple[float, ...]:
+    """'0.87,0.78,0.68' -> (0.87, 0.78, 0.68): the rate of each draft position (the last one continuing); empty
+    text -> () (off). A ValueError names the bad value."""
+    parts = [p.strip() for p in str(text).replace(" ", ",").split(",") if p.strip()]
+    rates = []
+    for i, part in enumerate(parts):
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(
+                f"synthetic rate {part!r} (position {i + 1}) is not a number; give rates in 0..1"
+            ) from None
+        if not 0.0 <= rate <= 1.0:  # NaN fails this too
+            raise ValueError(f"synthetic rate {part!r} (position {i + 1}) is not in 0..1")
+        rates.append(rate)
+    EngineSettings(synthetic_rates=tuple(rates))  # the count limit, said the engine's way
+    return tuple(rates)
+
+
+def rates_text(rates: tuple[float, ...]) -> str:
+    """(0.87, 0.78) -> '0.87, 0.78 (then 0.78)': the rates and what deeper positions take."""
+    return ", ".join(f"{r:g}" for r in rates) + f" (then {rates[-1]:g})" if rates else "off"
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,7 @@ class BenchRow:
     acceptance_rate: float
     generated: int
     output_hash: str
+    synthetic: bool = False  # synthetic acceptance: speed only, the text is not the model's output
 
 
 @dataclass
@@ -109,17 +141,23 @@ class BenchReport:
             return "slower"
         return "no clear difference"
 
+    @property
+    def synthetic(self) -> bool:
+        """Some arm ran with synthetic acceptance: the figures measure speed, not the model's output."""
+        return any(a.settings.synthetic for a in self.arms)
+
     def hashes(self, arm: str, workload: str) -> set[str]:
         return {r.output_hash for r in self._rows(arm, workload)}
 
     @property
     def arms_agree(self) -> bool:
         """Every greedy arm produced the same text on every workload (speculation must never change text).
-        Sampled arms are left out: speculation keeps their distribution, not their text."""
+        Sampled arms are left out: speculation keeps their distribution, not their text; so are synthetic arms,
+        whose text is not the model's output."""
         for w in self.workloads:
             seen = set()
             for a in self.arms:
-                if a.sampling is not None and not a.sampling.greedy:
+                if (a.sampling is not None and not a.sampling.greedy) or a.settings.synthetic:
                     continue
                 seen |= self.hashes(a.name, w)
             if len(seen) > 1:
@@ -129,6 +167,11 @@ class BenchReport:
     # ---- output ---------------------------------------------------------------------------------
     def format_tables(self) -> str:
         lines: list[str] = []
+        if self.synthetic:
+            lines.append(SYNTHETIC_BANNER)
+            for a in self.arms:
+                lines.append(f"  {a.name}: synthetic acceptance rates {rates_text(a.settings.synthetic_rates)}")
+            lines.append("")
         threads = self.meta.get("cpu_threads")
         if threads is not None:
             source = self.meta.get("cpu_threads_source")
@@ -191,7 +234,12 @@ class BenchReport:
             lines.append(
                 "sampled arms: left out of the text check (speculation keeps their distribution, not their text)"
             )
-        lines.append("outputs identical across arms" if self.arms_agree else "WARNING: the arms' output texts differ")
+        if self.synthetic:
+            lines.append("synthetic arms: left out of the text check (their text is not the model's output)")
+        if not self.arms_agree:
+            lines.append("WARNING: the arms' output texts differ")
+        elif not self.synthetic:  # with synthetic arms left out, "identical" would claim more than was checked
+            lines.append("outputs identical across arms")
         if two:
             lines.append(self.summary_line())
         return "\n".join(lines)
@@ -233,6 +281,7 @@ class BenchReport:
                 }
                 for a in self.arms
             },
+            "synthetic": self.synthetic,
             "arms_agree": self.arms_agree,
             "verdict": self.verdict(self.arms[0].name, self.arms[1].name) if len(self.arms) == 2 else None,
             "rows": [asdict(r) for r in self.rows],
@@ -309,6 +358,7 @@ def run_bench(
                         s["acceptance_rate"],
                         s["generated"],
                         output_hash(res.tokens),
+                        synthetic=bool(s["synthetic"]),
                     )
                 )
                 done += 1

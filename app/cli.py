@@ -251,8 +251,9 @@ def cmd_subvocab(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .bench import BenchArm, run_bench
+    from .bench import SYNTHETIC_BANNER, BenchArm, parse_synthetic_rates, rates_text, run_bench
 
+    rates = parse_synthetic_rates(a.synthetic_rates) if a.synthetic_rates is not None else None
     threads, source = _apply_threads(a)
     eng = _load_engine(a)
     # Arm A: --profile (a saved profile or knobs on top of the defaults), else the shipped
@@ -267,9 +268,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     sampling = _sampling_from_args(a)
     if a.profile:
         sampling = parse_arm_sampling(a.profile, sampling)
+    if rates is not None:  # every arm measures at these rates (a bench profile's own rates are replaced)
+        first = first.replace(synthetic_rates=rates)
     arms = [BenchArm(name, first, sampling)]
     if a.vs:
         vs_name, second = parse_arm(a.vs, eng.cfg.vocab_size, first)
+        if rates is not None:
+            second = second.replace(synthetic_rates=rates)
         if second == first and parse_arm_sampling(a.vs, sampling) == sampling:
             print(
                 f"specdeck: note: {vs_name!r} has the same settings as {name!r}; the two arms measure the same thing",
@@ -283,6 +288,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(f"[{done}/{total}] {msg}", file=sys.stderr)
 
     print(f"[{_thread_text(threads)} ({source})]", file=sys.stderr)
+    for arm in arms:
+        if arm.settings.synthetic:
+            print(f"{SYNTHETIC_BANNER} ({arm.name}: rates {rates_text(arm.settings.synthetic_rates)})", file=sys.stderr)
     report = run_bench(eng, arms, workloads, rounds=a.rounds, max_new_tokens=a.n, progress=progress)
     report.meta["cpu_threads_source"] = source
     print(report.format_tables())
@@ -302,6 +310,11 @@ def cmd_tune(a: argparse.Namespace) -> int:
     threads, source = _apply_threads(a)
     eng = _load_engine(a)
     _, baseline = parse_arm(a.profile or "control", eng.cfg.vocab_size, EngineSettings())
+    if baseline.synthetic:
+        raise ValueError(
+            f"the profile {a.profile!r} sets synthetic acceptance rates (a bench profile); tune measures real "
+            "acceptance: use it with `specdeck bench`, or give a profile without synthetic_rates"
+        )
     workloads = [w.strip() for w in a.workloads.split(",")] if a.workloads else None
     print(f"[{_thread_text(threads)} ({source}); budget {a.budget_s:g} s]", file=sys.stderr)
 
@@ -359,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", help="comma list (default: code_gen,code_edit,code_echo,prose)")
     b.add_argument("--rounds", type=int, default=3, help="repeats; their spread decides 'no clear difference'")
     b.add_argument("-n", type=int, default=128, help="new tokens per run")
+    b.add_argument(
+        "--synthetic-rates",
+        metavar="R1,R2,...",
+        help="synthetic acceptance, a measurement mode: every arm drafts and verifies as usual but accepts draft "
+        "position i with probability Ri (the last rate continues deeper), e.g. 0.87,0.78,0.68; the figures "
+        "measure speed only, the text is not the model's output (greedy only)",
+    )
     b.add_argument("--json", help="write the report as JSON here")
     b.add_argument("--csv", help="write the rows as CSV here")
     b.set_defaults(func=cmd_bench)

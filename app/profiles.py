@@ -5,12 +5,14 @@ A profile file looks like this (every key but `notes`, `hardware` and `bench` is
     version = 1
     name = "chain"
     notes = "the seed's chain configuration"
+    kind = "bench"             # optional: only a bench profile may set settings.synthetic_rates
 
     [settings]                 # EngineSettings.to_dict(), every field listed
     speculative = true
     draft_depth = 5
     ...
     sub_vocab_fraction = 0.2157   # optional: sub_vocab as a fraction of the model's vocabulary
+    synthetic_rates = [0.87, 0.78] # optional, bench profiles only: synthetic acceptance (a measurement mode)
 
     [sampling]                 # optional: SamplingParams.to_dict(), every field listed; absent: the profile
                                # says nothing about sampling (greedy unless set elsewhere)
@@ -28,6 +30,10 @@ The last used settings are kept in the same format in `<config dir>/last_used.to
 Loading never crashes on a bad file: `ProfileStore.list()` returns the good profiles and one
 `ProfileProblem` per bad file, naming the file and the field. Writes are atomic (a temp file in
 the same directory, fsync, os.replace), so a crash mid-save leaves the old file intact.
+
+Synthetic acceptance (`settings.synthetic_rates`) makes a run's text something other than the model's output,
+so a profile that sets it must say it is a bench profile (`kind = "bench"`): any other profile file setting it is
+refused with a message saying so, and the last used settings never hold it. Only the bench uses those rates.
 
 No Qt here: the CLI (`specdeck bench --profile NAME`) reads profiles through this module too.
 """
@@ -67,7 +73,11 @@ MAX_SLUG_CHARS = 80  # file names stay far below the 255-byte limit, with room f
 SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent.parent / "assets" / "profiles"
 LAST_USED_NAME = "last used"
 
-_TOP_LEVEL_KEYS = {"version", "name", "notes", "settings", "sampling", "hardware", "bench"}
+_TOP_LEVEL_KEYS = {"version", "name", "notes", "kind", "settings", "sampling", "hardware", "bench"}
+# A profile's kind: "tuning" (the default, written as no `kind` key) or "bench", the only kind that may set
+# settings.synthetic_rates (synthetic acceptance, a measurement mode whose text is not the model's output).
+PROFILE_KINDS = ("tuning", "bench")
+SYNTHETIC_RATES = "synthetic_rates"
 _SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
 _SETTING_KEYS = {f.name for f in dataclasses.fields(EngineSettings)}
 # Not an EngineSettings field: a profile may give sub_vocab relative to the model's vocabulary,
@@ -109,19 +119,26 @@ class Profile:
     path: Path | None = None  # the file it was read from (None: not saved yet)
     shipped: bool = False  # from assets/profiles: read-only
     sampling: SamplingParams | None = None  # None: no [sampling] table (sampling left as it is; greedy by default)
+    kind: str = "tuning"  # "bench": may set synthetic acceptance rates (PROFILE_KINDS)
 
     def settings_for(self, vocab_size: int) -> EngineSettings:
         """The settings for a model with this vocabulary size (EngineSettings.fitted_to, the one rule)."""
         return self.settings.fitted_to(vocab_size, self.sub_vocab_fraction)
 
     def to_toml_dict(self) -> dict[str, Any]:
+        if self.settings.synthetic and self.kind != "bench":
+            raise ProfileError(_synthetic_not_bench(f"profile {self.name!r}"))
         settings = self.settings.to_dict()
+        rates = settings.pop(SYNTHETIC_RATES)
+        if rates:  # written only when set, so every other profile file reads as before
+            settings[SYNTHETIC_RATES] = list(rates)
         if self.sub_vocab_fraction is not None:
             settings[SUB_VOCAB_FRACTION] = self.sub_vocab_fraction
         data: dict[str, Any] = {
             "version": PROFILE_FORMAT_VERSION,
             "name": self.name,
             "notes": self.notes,
+            **({"kind": self.kind} if self.kind != "tuning" else {}),
             "settings": settings,
         }
         if self.sampling is not None:
@@ -193,6 +210,9 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
     notes = data.get("notes", "")
     if not isinstance(notes, str):
         raise fail(f"field 'notes' must be a string, got {_short(notes)}")
+    kind = data.get("kind", "tuning")
+    if kind not in PROFILE_KINDS:
+        raise fail(f"field 'kind' must be one of {', '.join(map(repr, PROFILE_KINDS))}, got {_short(kind)}")
     for table in ("hardware", "bench"):
         if table in data and not isinstance(data[table], dict):
             raise fail(f"field '{table}' must be a table")
@@ -220,6 +240,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         raw_settings.setdefault("max_draft_depth", EngineSettings().max_draft_depth)
     for key, before in SETTINGS_ADDED_LATER.items():  # a profile from before a setting: the value it ran with
         raw_settings.setdefault(key, before)
+    raw_settings.setdefault(SYNTHETIC_RATES, [])  # absent: off (only bench profiles list it)
     # Every setting must be listed: a profile filled in from today's defaults would silently
     # mean something else once a default changes.
     _check_keys(
@@ -232,6 +253,8 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         raise fail(f"settings.{one_line(exc)}") from None
     except TypeError as exc:
         raise fail(f"[settings]: {one_line(exc)}") from None
+    if settings.synthetic and kind != "bench":
+        raise fail(_synthetic_not_bench("this profile"))
 
     sampling = None
     raw_sampling = data.get("sampling")
@@ -246,6 +269,7 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
 
     return Profile(
         sampling=sampling,
+        kind=kind,
         name=name.strip(),
         settings=settings,
         notes=notes,
@@ -253,6 +277,14 @@ def parse_profile(data: dict[str, Any], source: str = "<profile>") -> Profile:
         hardware=dict(data.get("hardware", {})),
         bench=dict(data.get("bench", {})),
         version=version,
+    )
+
+
+def _synthetic_not_bench(what: str) -> str:
+    return (
+        f"{what} sets settings.synthetic_rates (synthetic acceptance: a measurement mode whose text is not the "
+        "model's output), which only a bench profile may do; remove synthetic_rates for a normal profile, or add "
+        '`kind = "bench"` at the top of the file to keep it for `specdeck bench`'
     )
 
 
@@ -648,7 +680,8 @@ def last_used_path() -> Path:
 
 
 def save_last_used(settings: EngineSettings, notes: str = "") -> None:
-    profile = Profile(name=LAST_USED_NAME, settings=settings, notes=notes)
+    """The settings the app restores at its next start: never synthetic acceptance (a bench's measurement)."""
+    profile = Profile(name=LAST_USED_NAME, settings=settings.replace(synthetic_rates=()), notes=notes)
     write_atomically(last_used_path(), profile.to_toml())
 
 

@@ -26,7 +26,7 @@ from .model import Model
 from .plans import PlanPool
 from .sampling import SamplingParams, active
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
-from .spec import check_fits, prefill, run_round
+from .spec import check_fits, check_synthetic, prefill, run_round
 from .state import Session, session_bytes
 from .stats import RoundEvent, RunStats
 from .subvocab import SubVocabError, SubVocabOrder, check_ids, find_order, fix_hint
@@ -666,6 +666,8 @@ class Engine:
         ids = self._check_ids(self._prompt_ids(prompt, max_new_tokens), max_new_tokens)
         if settings is not None:
             self.check_settings(settings)
+        check_synthetic(settings if settings is not None else sess.settings, sampling)
+        if settings is not None:
             sess.settings = settings
         if not sess.busy.acquire(blocking=False):
             raise EngineError("this session is already generating; cancel it or use another session")
@@ -788,6 +790,7 @@ class Engine:
                     depth=settings.draft_depth if settings.speculative else 0,
                     adaptive=rounds.controller.snapshot() if leader and rounds.controller else None,
                     remapped=out.remapped,
+                    synthetic=out.synthetic,
                 )
                 stats.add(ev)
                 if done:
@@ -850,6 +853,14 @@ class Engine:
     def _final_event(self, index: int, settings: EngineSettings, stats: RunStats) -> RoundEvent:
         nothing = {"tokens": [], "text": "", "from_draft": [], "drafted": 0, "accepted": 0}
         times = dict.fromkeys(("time_draft_s", "time_verify_s", "time_accept_s", "time_host_s", "time_round_s"), 0.0)
-        ev = RoundEvent(index=index, settings=settings, done=True, stop_reason=stats.stop_reason, **nothing, **times)
+        ev = RoundEvent(
+            index=index,
+            settings=settings,
+            done=True,
+            stop_reason=stats.stop_reason,
+            synthetic=stats.synthetic or settings.synthetic,
+            **nothing,
+            **times,
+        )
         ev.run = self._run_stats(stats)
         return ev

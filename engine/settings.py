@@ -8,6 +8,11 @@ Each field carries its description as `dataclasses.field(metadata=...)`: `label`
 for "no upper bound", or None for a switch), `flag` (the command line's option). `knobs()` lists them;
 validation reads the same ranges, so a control, a flag and the check cannot disagree. Adding a knob is one
 field here plus its use in the engine.
+
+One field is not a knob: `synthetic_rates`, a measurement mode (its metadata says `knob: False`, so `knobs()`,
+and with it the command line's knob flags, the window's knob panel, the plot markers and the tune grid, leave
+it out). It is set only by `specdeck bench --synthetic-rates`, the Bench tab, or a profile marked as a bench
+profile.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ def _knob(
 ) -> Any:
     meta = {"label": label, "short": short, "help": help, "unit": unit, "range": range, "flag": flag}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def _not_a_knob(default: Any, help: str) -> Any:
+    """A field that is no tuning knob: left out of `knobs()` (no flag, no control, no marker, no tune cell)."""
+    return dataclasses.field(default=default, metadata={"knob": False, "help": help})
 
 
 @dataclass(frozen=True)
@@ -116,6 +126,16 @@ class EngineSettings:
         "tokens",
         (1, MAX_DRAFT_DEPTH),
     )
+    synthetic_rates: tuple[float, ...] = _not_a_knob(
+        (),
+        "Synthetic acceptance, a measurement mode (not a knob): empty = off. Otherwise the engine still drafts "
+        "and verifies (the same GPU work, the same one host read per round), but how many drafts a round "
+        "accepts is drawn on the device: draft i (from 0) is accepted, once every draft before it was, with "
+        "probability rates[i]; positions past the list take its last rate. The round emits the accepted "
+        "drafts and the target's token after them, so the figures measure speed at these rates and the text "
+        "is not the model's output. Greedy only (temperature 0); p_min still cuts the drafts first. "
+        f"At most {MAX_DRAFT_DEPTH} rates, each in 0..1.",
+    )
 
     def __post_init__(self) -> None:
         kinds = {f.name: f.type for f in dataclasses.fields(self)}
@@ -136,11 +156,22 @@ class EngineSettings:
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not (lo <= float(p) <= hi):
                 raise ValueError(f"{name} must be a number in {lo:g}..{hi:g}, got {p!r}")
             object.__setattr__(self, name, float(p))
+        object.__setattr__(self, "synthetic_rates", _check_rates(self.synthetic_rates))
 
     @property
     def adaptive(self) -> bool:
         """The depth is chosen by the engine each round (draft_depth="auto")."""
         return self.draft_depth == "auto"
+
+    @property
+    def synthetic(self) -> bool:
+        """Synthetic acceptance is on: a round's accepted count is drawn, its text is not the model's output."""
+        return bool(self.synthetic_rates)
+
+    def synthetic_rate(self, position: int) -> float:
+        """The synthetic acceptance rate of draft `position` (from 0): the last rate continues past the list."""
+        rates = self.synthetic_rates
+        return rates[min(position, len(rates) - 1)] if rates else 1.0
 
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with some fields changed (validated like any new value)."""
@@ -191,8 +222,12 @@ _TYPES = {"bool": bool, "int": int, "float": float, "int | str": int}  # draft_d
 
 
 def knobs() -> tuple[Knob, ...]:
-    """Every knob of EngineSettings, in field order."""
-    return tuple(Knob(f.name, _TYPES[f.type], f.default, **f.metadata) for f in dataclasses.fields(EngineSettings))
+    """Every knob of EngineSettings, in field order (fields marked `knob: False` are not knobs)."""
+    return tuple(
+        Knob(f.name, _TYPES[f.type], f.default, **f.metadata)
+        for f in dataclasses.fields(EngineSettings)
+        if f.metadata.get("knob", True)
+    )
 
 
 _RANGES = {k.name: k.range for k in knobs() if k.range is not None}
@@ -213,3 +248,19 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None) -> None:
     if value < lo or (hi is not None and value > hi):
         allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be in {allowed}, got {value}")
+
+
+def _check_rates(value: Any) -> tuple[float, ...]:
+    """synthetic_rates as a tuple of floats, each in 0..1, at most MAX_DRAFT_DEPTH of them (a list, as a
+    profile file gives it, is taken too); a ValueError names the bad entry."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise ValueError(f"synthetic_rates must be a list of numbers in 0..1 (empty = off), got {value!r}")
+    if len(value) > MAX_DRAFT_DEPTH:
+        raise ValueError(f"synthetic_rates has {len(value)} rates; at most {MAX_DRAFT_DEPTH} (one per draft position)")
+    out = []
+    for i, rate in enumerate(value):
+        ok = not isinstance(rate, bool) and isinstance(rate, (int, float)) and 0.0 <= float(rate) <= 1.0
+        if not ok:  # NaN fails the range too
+            raise ValueError(f"synthetic_rates[{i}] must be a number in 0..1, got {rate!r}")
+        out.append(float(rate))
+    return tuple(out)

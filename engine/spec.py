@@ -15,6 +15,12 @@ Data flow of one round (the same code on every device; on CUDA the two device ph
   read  out_buf -> pinned host memory: the round's one device-to-host synchronisation
   host  tags the snapshot planes, rolls back to the accepted length, applies EOS and the token budget
 
+Synthetic acceptance (`settings.synthetic_rates`, a measurement mode: greedy only) keeps this flow and its work:
+the verify's acceptance is `synthetic_accept`, which draws how many drafts pass from the per-position rates
+(hash of (SYNTHETIC_SEED, start_buf, slot), on the device) instead of comparing them with the target's picks, and
+writes the same out_buf: the accepted drafts, then the target's token after them, so rollback is unchanged. The
+target consumed exactly those drafts, so its state stays consistent; the text is not the model's output.
+
 Sampled rounds (`sampling` with temperature > 0, engine/sampling.py) keep this flow: the draft draws each token
 from its processed distribution q (its row kept in the session's q_buf), the verify turns the target's rows into
 p and `spec_accept` applies the speculative-sampling rule, writing the same out_buf; random numbers come from a
@@ -44,6 +50,9 @@ from .state import SessionState
 Drafter = Callable[[list[int], int], list[int]]
 # Catch-up widths above this (after a prompt or plain-greedy rounds) run eagerly, never as a plan.
 MAX_CAPTURED_CATCHUP = MAX_DRAFT_DEPTH + 1
+# The seed of synthetic acceptance's draws: fixed, so a synthetic run is reproducible (its draws are keyed by
+# the round's start position too, so every round draws fresh numbers).
+SYNTHETIC_SEED = 15
 
 
 @dataclass(kw_only=True)  # built with keywords only: fields of the same type cannot be swapped unseen
@@ -57,6 +66,7 @@ class RoundOutcome:
     time_accept_s: float
     hit_eos: bool
     cancelled: bool = False
+    synthetic: bool = False  # synthetic acceptance: the accepted count was drawn (settings.synthetic_rates)
     plan_hits: int = 0
     plan_misses: int = 0
     plan_capture_s: float = 0.0
@@ -112,6 +122,15 @@ def check_fits(model: DecodeModel, settings: EngineSettings) -> None:
         raise EngineError(
             f"sub_vocab {settings.sub_vocab} is larger than the model's vocabulary ({model.cfg.vocab_size}); "
             "use 0 (full) or a smaller value"
+        )
+
+
+def check_synthetic(settings: EngineSettings, sampling: SamplingParams | None) -> None:
+    """Synthetic acceptance is a greedy measurement: with sampling (temperature > 0) it is refused."""
+    if settings.synthetic and active(sampling) is not None:
+        raise EngineError(
+            "synthetic acceptance (synthetic_rates) measures greedy rounds only; set the temperature to 0, "
+            "or clear synthetic_rates to sample"
         )
 
 
@@ -215,12 +234,26 @@ def _draft_host(model: DecodeModel, state: SessionState, width: int, depth: int,
     return n
 
 
-def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float) -> None:
-    """Target over ids_buf[:width]; hidden rows saved; greedy acceptance into out_buf / cache_len_buf."""
+def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float, synthetic: bool = False) -> None:
+    """Target over ids_buf[:width]; hidden rows saved; greedy acceptance (or, `synthetic`, the drawn one) into
+    out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
     state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
     target_tokens, _ = model.pick(hidden, 0)
     state.cache_len_buf.copy_(state.start_buf)
+    if synthetic:
+        ops.synthetic_accept(
+            state.ids_buf[1:width],
+            state.probs_buf[: width - 1],
+            target_tokens,
+            p_min,
+            state.synth_rates_buf,
+            state.synth_seed_buf,
+            state.start_buf,
+            state.cache_len_buf,
+            state.out_buf[: width + 2],
+        )
+        return
     ops.greedy_accept(
         state.ids_buf[1:width],
         state.probs_buf[: width - 1],
@@ -229,6 +262,18 @@ def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float) -
         state.cache_len_buf,
         state.out_buf[: width + 2],
     )
+
+
+def _stage_synthetic(state: SessionState, settings: EngineSettings) -> None:
+    """The rate of every draft position (the last given rate continuing) and the seed into the session's
+    synthetic buffers, only when they change: one scalar fill per value (launches, no host synchronisation)."""
+    rates = tuple(settings.synthetic_rate(i) for i in range(state.synth_rates_buf.shape[0]))
+    if state.synth_staged == (rates, SYNTHETIC_SEED):
+        return
+    for i, rate in enumerate(rates):
+        state.synth_rates_buf[i : i + 1].fill_(rate)
+    state.synth_seed_buf.fill_(SYNTHETIC_SEED)
+    state.synth_staged = (rates, SYNTHETIC_SEED)
 
 
 # ---- sampled rounds (SamplingParams with temperature > 0; engine/sampling.py) ---------------------------------
@@ -337,8 +382,10 @@ def run_round(
     sampling: SamplingParams | None = None,
 ) -> RoundOutcome:
     """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification). `sampling`
-    None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py)."""
+    None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
+    `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring)."""
     check_fits(model, settings)
+    check_synthetic(settings, sampling)
     sp = active(sampling)
     vocab = model.cfg.vocab_size
     bufs = buffers_for(state, vocab) if sp is not None else None
@@ -429,7 +476,17 @@ def run_round(
         )
 
     width = n_drafts + 1
-    if sp is not None:
+    # Synthetic acceptance only where there are drafts to accept: a round without any is the plain target
+    # step of a real run (the same plan), which emits the model's own token either way.
+    synthetic = settings.synthetic and n_drafts > 0
+    if synthetic:
+        _stage_synthetic(state, settings)
+        plans.run(
+            ("verify", width, p_min, *model.plan_tag, "synthetic"),
+            pool,
+            lambda: _verify(model, state, width, p_min, synthetic=True),
+        )
+    elif sp is not None:
         plans.run(
             ("verify", width, p_min, *model.plan_tag, vq, sp.plan_key),
             pool,
@@ -475,6 +532,7 @@ def run_round(
         time_verify_s=verify_s,
         time_accept_s=read_s + (t_end - t_read),
         hit_eos=hit_eos,
+        synthetic=settings.synthetic,
         plan_hits=hits1 - hits0,
         plan_misses=misses1 - misses0,
         plan_capture_s=cap1 - cap0,

@@ -96,6 +96,11 @@ class SessionState:
         self.cache_len_buf = torch.zeros(1, dtype=torch.long, device=device)  # target length after acceptance
         self.probs_buf = torch.ones(width, dtype=torch.float32, device=device)  # the drafts' probabilities
         self.out_buf = torch.zeros(width + 2, dtype=torch.long, device=device)  # acceptance result
+        # Synthetic acceptance (EngineSettings.synthetic_rates): the rate of each draft position and the seed the
+        # verify's synthetic_accept reads in place; written by the host only when they change (engine/spec.py).
+        self.synth_rates_buf = torch.ones(width - 1, dtype=torch.float32, device=device)
+        self.synth_seed_buf = torch.zeros(1, dtype=torch.long, device=device)
+        self.synth_staged: tuple | None = None  # the (rates, seed) those buffers hold
         pinned = device.type == "cuda"
         self.stage_host = torch.zeros(3 + width + max_context, dtype=torch.long, pin_memory=pinned)
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
@@ -134,7 +139,14 @@ class SessionState:
         out = {
             "kv_cache": [*self.k_cache.values(), *self.v_cache.values(), *self.mtp_k_cache, *self.mtp_v_cache],
             "snapshot_planes": [*self.delta_planes.values(), *self.conv_planes.values()],
-            "workspace": [self.hidden, self.stage_dev, self.out_buf, self._offsets],
+            "workspace": [
+                self.hidden,
+                self.stage_dev,
+                self.out_buf,
+                self._offsets,
+                self.synth_rates_buf,
+                self.synth_seed_buf,
+            ],
         }
         for shard in self.shards:
             for key, tensors in shard.buffers().items():

@@ -34,6 +34,9 @@ class RoundEvent:
     adaptive: dict[str, Any] | None = None
     # The draft scored its sub-vocabulary through the model's sub-vocab order (run stats: remap_size, remap_rounds).
     remapped: bool = False
+    # Synthetic acceptance (settings.synthetic_rates): the accepted count was drawn, not decided by the target,
+    # so this round's text is not the model's output and its figures measure speed only.
+    synthetic: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,6 +68,7 @@ class RunStats:
         # the round cost model: depth -> [rounds, draft, verify, accept, host, whole round seconds], over
         # rounds that captured no plan (a capture is a one-off, not the cost of a depth)
         self._cost: dict[int, list[float]] = {}
+        self.synthetic = False  # any round ran with synthetic acceptance: the run's text is not the model's
 
     def add(self, ev: RoundEvent) -> None:
         if ev.plan_misses == 0:
@@ -75,6 +79,7 @@ class RunStats:
             ):
                 c[i] += v
         self.rounds += 1
+        self.synthetic = self.synthetic or ev.synthetic
         self.generated += len(ev.tokens)
         self.drafted += ev.drafted
         self.accepted += ev.accepted
@@ -128,5 +133,6 @@ class RunStats:
             "plan_capture_s": self.plan_capture_s,
             "remap_rounds": self.remap_rounds,
             "stop_reason": self.stop_reason,
+            "synthetic": self.synthetic,
             "memory": dict(memory or {}),
         }

@@ -769,7 +769,7 @@ def greedy_accept(
 
 # ---- sampling (a module of its own: cuda_src/sampling_kernels.cu, fp32, one per device) ---------------------
 _SAMPLING_SRC = Path(__file__).resolve().parent / "cuda_src" / "sampling_kernels.cu"
-_SAMPLING_KERNELS = ("sample_probs_rows", "sample_token_rows", "spec_accept_k")
+_SAMPLING_KERNELS = ("sample_probs_rows", "sample_token_rows", "spec_accept_k", "synthetic_accept_k")
 _sampling_fns: dict[tuple[int, str], object] = {}
 _sampling_modules: dict[int, object] = {}
 _sampling_failed: dict[int, str] = {}  # device -> why its sampling module did not compile or load
@@ -813,16 +813,16 @@ def _sampling_ready(device: torch.device) -> bool:
     return True
 
 
-def _launch_sampling(name: str, device: torch.device, grid, args) -> None:
+def _launch_sampling(name: str, device: torch.device, grid, args, threads: int = _SK_THREADS) -> None:
     args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
     fn = _sampling_function(dev, name)
     stream = _stream(device)
     if _cp.cuda.runtime.getDevice() != dev:
         with _cp.cuda.Device(dev):
-            fn(tuple(grid), (_SK_THREADS,), args, stream=stream)
+            fn(tuple(grid), (threads,), args, stream=stream)
     else:
-        fn(tuple(grid), (_SK_THREADS,), args, stream=stream)
+        fn(tuple(grid), (threads,), args, stream=stream)
 
 
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
@@ -947,6 +947,56 @@ def spec_accept(
     return None
 
 
+def synthetic_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_tokens: torch.Tensor,
+    p_min: float,
+    rates: torch.Tensor,
+    seed: torch.Tensor,
+    start: Start,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    if (
+        not _cuda_ok(drafts, draft_probs, target_tokens, rates, seed, cache_len, out)
+        or drafts.dtype != torch.int64
+        or target_tokens.dtype != torch.int64
+        or seed.dtype != torch.int64
+        or cache_len.dtype != torch.int64
+        or out.dtype != torch.int64
+        or not out.is_contiguous()
+        or rates.dim() != 1
+        or rates.shape[0] < 1
+        or not _sampling_ready(out.device)
+    ):
+        return _fallback("synthetic_accept", drafts)(
+            drafts, draft_probs, target_tokens, p_min, rates, seed, start, cache_len, out
+        )
+    sp, sv = _start_args(start, out.device)
+    _launch_sampling(
+        "synthetic_accept_k",
+        out.device,
+        (1,),
+        la.SyntheticAcceptArgs(
+            drafts=drafts.contiguous(),
+            draft_probs=draft_probs.float().contiguous(),
+            target=target_tokens.contiguous(),
+            p_min=p_min,
+            rates=rates.float().contiguous(),
+            m=rates.shape[0],
+            n=drafts.shape[0],
+            seed=seed.reshape(-1),
+            start_ptr=sp,
+            start_val=sv,
+            cache_len=cache_len.reshape(-1),
+            out=out,
+        ),
+        threads=32,
+    )
+    return None
+
+
 def sampling_kernels() -> tuple[bool, str]:
     """Whether the sampling module compiles and loads on the current device (the ops use it when it does)."""
     if _cp is None:
@@ -1055,3 +1105,5 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
     probs = sample_probs(lg[:, :100], 0, 0.7, 5, 0.9, 0.05)
     tok, prob = sample_token(probs, seed, start, 0, 1)
     spec_accept(tok[:1], prob[:1], probs[:1], probs, 0.0, seed, start, z(1, dtype=torch.int64, device=device), out[:4])
+    rates = torch.full((2,), 0.5, device=device)
+    synthetic_accept(tok[:1], prob[:1], tok, 0.0, rates, seed, start, z(1, dtype=torch.int64, device=device), out[:4])

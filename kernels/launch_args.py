@@ -194,3 +194,11 @@ SpecAcceptArgs = builder(
     ),
     "spec_accept_k",
 )
+SyntheticAcceptArgs = builder(
+    "SyntheticAcceptArgs",
+    (
+        "ptr drafts, ptr draft_probs, ptr target, f64 p_min, ptr rates, i32 m, i32 n, ptr seed, ptr start_ptr, "
+        "i64 start_val, ptr cache_len, ptr out"
+    ),
+    "synthetic_accept_k",
+)

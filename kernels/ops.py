@@ -22,6 +22,7 @@ greedy_accept = reference.greedy_accept
 sample_probs = reference.sample_probs
 sample_token = reference.sample_token
 spec_accept = reference.spec_accept
+synthetic_accept = reference.synthetic_accept
 
 _cuda_enabled = False
 

@@ -316,6 +316,7 @@ def greedy_accept(
 # Nothing in these references synchronises with the host (no .item(), no data-dependent shapes): on a GPU they
 # may run inside a captured graph.
 RNG_DRAFT, RNG_ACCEPT, RNG_RESAMPLE = 1, 2, 3  # the purposes: a draft pick, an acceptance test, a target pick
+RNG_SYNTH = 4  # a synthetic acceptance test (synthetic_accept: a measurement mode, not sampling)
 _M32 = 0xFFFFFFFF
 
 
@@ -462,6 +463,47 @@ def spec_accept(
     u_res = rng_uniform(seed, start, slots, RNG_RESAMPLE)
     k, tok = speculative_accept_rows(drafts[None], q_rows[None], p_rows[None], n_valid, u_acc[None], u_res[None])
     emitted = torch.where(slots < k, F.pad(drafts, (0, 1)), tok)
+    out[2 : 3 + n].copy_(emitted)
+    out[0:1].copy_(k + 1)
+    out[1:2].copy_(n_valid)
+    cache_len.reshape(-1)[:1].add_(k + 1)
+
+
+def synthetic_accept(
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_tokens: torch.Tensor,
+    p_min: float,
+    rates: torch.Tensor,
+    seed: torch.Tensor,
+    start: Start,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Synthetic acceptance (a measurement mode): `greedy_accept` with the accepted count drawn instead of
+    compared, written into the same device buffers, with no host synchronisation.
+
+    drafts [n] int64, draft_probs [n] fp32, target_tokens [n+1] int64 as in greedy_accept; rates [m] fp32
+    (m >= 1): the chance that draft i is accepted once every draft before it was, rates[min(i, m-1)] (positions
+    past the list take its last rate). n_valid as in greedy_accept (p_min cuts the drafts first). Draft i passes
+    when rng_uniform(seed, start, slot i, RNG_SYNTH) < its rate; k = the passing prefix of the valid drafts.
+    Writes out[0] = k + 1, out[1] = n_valid, out[2 : 3 + n] = drafts[:k] then target_tokens[k] (repeated to
+    the end), and adds k + 1 to cache_len[0]: the layout greedy_accept writes, so the round's one read, its
+    rollback and its statistics are unchanged. out must hold n + 3 int64."""
+    n = drafts.shape[0]
+    m = rates.shape[0]
+    if m < 1:
+        raise ValueError("synthetic_accept needs at least one rate")
+    dev = target_tokens.device
+    slots = torch.arange(n + 1, device=dev)
+    if n:
+        n_valid = (draft_probs.double() >= p_min).long().cumprod(-1).sum(-1, keepdim=True)
+        rate = rates.float().to(dev).index_select(0, slots[:n].clamp(max=m - 1))
+        passed = rng_uniform(seed, start, slots[:n], RNG_SYNTH) < rate
+        k = (passed & (slots[:n] < n_valid)).long().cumprod(-1).sum(-1, keepdim=True)
+    else:
+        n_valid = k = torch.zeros(1, dtype=torch.long, device=dev)
+    emitted = torch.where(slots < k, F.pad(drafts, (0, 1)), target_tokens.index_select(0, k))
     out[2 : 3 + n].copy_(emitted)
     out[0:1].copy_(k + 1)
     out[1:2].copy_(n_valid)

@@ -32,6 +32,7 @@ NAMES = (
     "sample_probs",
     "sample_token",
     "spec_accept",
+    "synthetic_accept",
 )
 
 # Ops that are the reference on every device, by design (not fallbacks).

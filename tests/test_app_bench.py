@@ -72,7 +72,7 @@ def test_differing_arm_texts_raise_a_warning(qtbot, window):
         arms = [type("Arm", (), {"name": "A"})(), type("Arm", (), {"name": "B"})()]
         workloads = ["prose"]
         rounds, max_new_tokens, rows = 1, 8, [1, 2]
-        arms_agree = False
+        arms_agree = synthetic = False
 
         def hashes(self, arm, workload):
             return {"aaaa"} if arm == "A" else {"bbbb"}

@@ -77,12 +77,14 @@ def test_plans_hit_and_pool_size_matters(cuda_engines):
     assert eng.memory()["graph_pools"] > 0
 
 
-def test_one_host_sync_per_round(cuda_engines):
+@pytest.mark.parametrize("rates", [(), (0.873, 0.778, 0.675)], ids=["real", "synthetic"])
+def test_one_host_sync_per_round(cuda_engines, rates):
     """Rounds run under sync debug mode "error": any hidden host synchronisation raises, except the one
-    read of the emitted tokens (engine.spec.allowed_sync)."""
+    read of the emitted tokens (engine.spec.allowed_sync). Synthetic acceptance too (its rates are staged
+    by scalar fills, its draws made on the device)."""
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
     prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
-    settings = EngineSettings(draft_depth=4, chain=True, plan_pool=16)
+    settings = EngineSettings(draft_depth=4, chain=True, plan_pool=16, synthetic_rates=rates)
     sess = eng.new_session()
     eng.generate(prompt, 48, settings, sess)  # capture every plan the run below needs
     sess.reset()
@@ -96,6 +98,26 @@ def test_one_host_sync_per_round(cuda_engines):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert rounds > 3
+
+
+def test_synthetic_acceptance_on_the_gpu(cuda_engines):
+    """Captured plans and the kernel: rate 0 gives the target-only text; a synthetic run's plans replay what
+    its eager run does (the rates and seed are read in place); no synthetic_accept call fell back."""
+    from kernels import ops
+
+    eng = cuda_engines["tiny"]
+    prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
+    target = eng.generate(prompt, N_NEW, EngineSettings(speculative=False, plan_pool=8), eng.new_session()).tokens
+    zero = EngineSettings(draft_depth=4, plan_pool=8, synthetic_rates=(0.0,))
+    assert eng.generate(prompt, N_NEW, zero, eng.new_session()).tokens == target
+    before = ops.fallbacks().get("synthetic_accept", 0)
+    settings = EngineSettings(draft_depth=4, plan_pool=8, synthetic_rates=(0.873, 0.778, 0.675))
+    graphs = eng.generate(prompt, N_NEW, settings, eng.new_session())
+    eager = eng.generate(prompt, N_NEW, settings.replace(plan_pool=0), eng.new_session())
+    assert graphs.tokens == eager.tokens and graphs.stats["accepted"] == eager.stats["accepted"]
+    assert graphs.stats["synthetic"] and graphs.stats["plan_hits"] > 0
+    assert 0 < graphs.stats["accepted"] < graphs.stats["drafted"]
+    assert ops.fallbacks().get("synthetic_accept", 0) == before
 
 
 def test_graphs_equal_eager(cuda_engines):

@@ -394,6 +394,87 @@ def test_greedy_accept(kc):
     assert cases == 144
 
 
+@pytest.mark.gpu
+def test_synthetic_accept(kc):
+    """The kernel writes exactly what the reference writes (out, cache_len), over seeds, start positions (host
+    ints and device tensors), draft counts, p_min cuts and rate lists shorter and longer than the drafts."""
+    gen = torch.Generator().manual_seed(15)
+    rate_lists = [(0.0,), (1.0,), (0.5,), (0.873, 0.778, 0.675), (1.0, 1.0, 0.0), (0.9, 0.6, 0.55, 0.5, 0.45, 0.4)]
+    fallbacks = kc.registry.fallbacks().get("synthetic_accept", 0)
+    cases = accepted = 0
+    for n in (0, 1, 3, 5, 8, 16):
+        for rates in rate_lists:
+            for p_min in (0.0, 0.4):
+                for trial in range(12):
+                    drafts = torch.randint(0, 1000, (n,), generator=gen)
+                    target = torch.randint(0, 1000, (n + 1,), generator=gen)
+                    probs = torch.rand(n, generator=gen).float()
+                    seed = torch.randint(0, 2**62, (1,), generator=gen)
+                    start = int(torch.randint(0, 1 << 40, (1,), generator=gen))
+                    rt = torch.tensor(rates, dtype=torch.float32)
+                    out_h = torch.full((n + 3,), -7, dtype=torch.int64)
+                    cl_h = torch.tensor([start], dtype=torch.int64)
+                    ref.synthetic_accept(drafts, probs, target, p_min, rt, seed, start, cl_h, out_h)
+                    out_d = torch.full((n + 3,), -7, dtype=torch.int64, device=CUDA)
+                    cl_d = torch.tensor([start], dtype=torch.int64, device=CUDA)
+                    dev_start = torch.tensor([start], dtype=torch.int64, device=CUDA) if trial % 2 else start
+                    kc.synthetic_accept(
+                        drafts.to(CUDA),
+                        probs.to(CUDA),
+                        target.to(CUDA),
+                        p_min,
+                        rt.to(CUDA),
+                        seed.to(CUDA),
+                        dev_start,
+                        cl_d,
+                        out_d,
+                    )
+                    what = (n, rates, p_min, int(seed), start)
+                    assert out_d.cpu().tolist() == out_h.tolist(), what
+                    assert cl_d.cpu().tolist() == cl_h.tolist(), what
+                    accepted += int(out_h[0]) - 1
+                    cases += 1
+    assert cases == 6 * 6 * 2 * 12 and accepted > 0
+    assert kc.registry.fallbacks().get("synthetic_accept", 0) == fallbacks  # every call ran the kernel
+
+
+@pytest.mark.gpu
+def test_synthetic_accept_in_a_graph_draws_fresh_numbers_per_position(kc):
+    """Captured with a device-side start, every replay draws for the start it reads, without the host."""
+    kc.warm_up(CUDA, torch.float32)
+    n = 4
+    drafts = torch.arange(10, 10 + n, device=CUDA)
+    probs = torch.ones(n, device=CUDA)
+    target = torch.arange(100, 101 + n, device=CUDA)
+    rates = torch.tensor([0.7, 0.6, 0.5], device=CUDA)
+    seed = torch.tensor([7], dtype=torch.int64, device=CUDA)
+    start = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    cache_len = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    out = torch.zeros(n + 3, dtype=torch.int64, device=CUDA)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kc.synthetic_accept(drafts, probs, target, 0.0, rates, seed, start, cache_len, out)  # first launch
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kc.synthetic_accept(drafts, probs, target, 0.0, rates, seed, start, cache_len, out)
+    seen = set()
+    for pos in range(0, 4000, 40):
+        start.fill_(pos)
+        cache_len.fill_(pos)
+        graph.replay()
+        expect_out = torch.zeros(n + 3, dtype=torch.int64)
+        expect_cl = torch.tensor([pos])
+        ref.synthetic_accept(
+            drafts.cpu(), probs.cpu(), target.cpu(), 0.0, rates.cpu(), seed.cpu(), pos, expect_cl, expect_out
+        )
+        assert out.tolist() == expect_out.tolist() and cache_len.tolist() == expect_cl.tolist(), pos
+        seen.add(int(expect_out[0]))
+    assert seen == {1, 2, 3, 4, 5}
+
+
 # ---- fp16 smoke ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_fp16_smoke(kc):

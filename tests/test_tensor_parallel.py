@@ -106,6 +106,13 @@ def test_ranks_equal_one_process_for_every_knob(model_dir, single, greedy, n):
             out = tp.generate(PROMPT, 24, settings, tp.new_session())
             assert out.tokens == greedy, case
             assert out.stats["devices"] == n
+        # Synthetic acceptance: every rank draws the same counts (seed and position only), so the ranks
+        # emit what one process emits, mirrored output or not.
+        synthetic = EngineSettings(draft_depth=4, synthetic_rates=(0.8, 0.5))
+        one = single.generate(PROMPT, 24, synthetic, single.new_session()).tokens
+        for mirror in (True, False):
+            out = tp.generate(PROMPT, 24, synthetic.replace(mirror_output=mirror), tp.new_session())
+            assert out.tokens == one and out.stats["synthetic"], mirror
         tp.set_model_option("combine", "gather")  # the "before": whole logit rows cross between ranks
         assert tp.generate(PROMPT, 24, EngineSettings(mirror_output=False), tp.new_session()).tokens == greedy
         tp.set_model_option("combine", "argmax")

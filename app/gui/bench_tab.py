@@ -6,10 +6,15 @@ It runs app.bench.run_bench on the engine thread (the same code path as `specdec
 arms alternate (A,B then B,A), each run on a reset session, one untimed warm-up per arm. The
 result is the report's own format_tables(); output hashes per arm are shown with a warning when
 the arms' texts differ (speculation must never change the text).
+
+Synthetic rates (a measurement mode, off when empty): both arms draft and verify as usual but accept as many drafts
+as the rates draw; the window shows a banner while such a bench runs, the tables say so first, the text check
+leaves those arms out and their figures are not stored in the profiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -29,6 +34,7 @@ from PySide6.QtWidgets import (
     QGroupBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
@@ -40,6 +46,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.bench import SYNTHETIC_BANNER, parse_synthetic_rates
 from app.gui import theme
 from app.gui.plots import SERIES_COLORS, _shrinkable, _style_plot
 from app.profiles import Profile
@@ -189,6 +196,13 @@ class BenchTab(QWidget):
         self.max_new_tokens.setValue(128)
         self.record_figures = QCheckBox("Store the figures in the profiles (user profiles only)")
         self.record_figures.setChecked(True)
+        self.synthetic_rates = QLineEdit()
+        self.synthetic_rates.setPlaceholderText("off (real acceptance) — e.g. 0.87, 0.78, 0.68")
+        self.synthetic_rates.setToolTip(
+            "Synthetic acceptance, a measurement mode: both arms draft and verify as usual, but draft position i "
+            "is accepted with probability rate i (the last rate continues deeper). The figures measure speed "
+            "at these rates only; the text is not the model's output. Greedy only. Empty = off."
+        )
 
         self.run_button = QPushButton("Run bench")
         self.run_button.clicked.connect(self.start)
@@ -213,6 +227,7 @@ class BenchTab(QWidget):
         counts.addWidget(self.max_new_tokens)
         counts.addStretch(1)
         form.addRow(counts)
+        form.addRow("Synthetic rates", self.synthetic_rates)
         form.addRow(self.record_figures)
         buttons = QHBoxLayout()
         buttons.addWidget(self.run_button)
@@ -309,6 +324,15 @@ class BenchTab(QWidget):
         if not workloads:
             self.message.emit("Pick at least one workload")
             return
+        try:
+            rates = parse_synthetic_rates(self.synthetic_rates.text())
+        except ValueError as exc:
+            self.message.emit(f"Synthetic rates: {exc}")
+            return
+        if rates:  # both arms measure at these rates (a bench profile's own rates are replaced)
+            a, b = (
+                dataclasses.replace(p, settings=p.settings.replace(synthetic_rates=rates), kind="bench") for p in (a, b)
+            )
         name_a, name_b = a.name, b.name
         if name_a == name_b:
             name_a, name_b = f"{name_a} (A)", f"{name_b} (B)"
@@ -365,7 +389,13 @@ class BenchTab(QWidget):
             for column, name in enumerate(names, start=1):
                 hashes = ", ".join(sorted(report.hashes(name, workload))) or "–"
                 self.hash_table.setItem(row, column, QTableWidgetItem(hashes))
-        if report.arms_agree:
+        if report.synthetic and report.arms_agree:
+            self.warning_label.setText(
+                f"<b>{SYNTHETIC_BANNER}.</b> Synthetic arms are left out of the text check; their figures are not "
+                "stored in the profiles."
+            )
+            self.warning_label.setStyleSheet("background:#fff3cd; color:#664d03; padding:6px;")
+        elif report.arms_agree:
             self.warning_label.setText("Outputs identical across arms: speculation did not change the text.")
             self.warning_label.setStyleSheet("background:#d1e7dd; color:#0f5132; padding:6px;")
         else:

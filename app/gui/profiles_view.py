@@ -207,10 +207,13 @@ class ProfilesTab(QWidget):
             self.notes_edit.setPlainText("")
             self.details_label.setText("Save the current settings to make one.")
             return
-        self.title_label.setText(profile.name + ("  (shipped, read-only)" if profile.shipped else ""))
+        bench_only = "  (bench profile: synthetic acceptance)" if profile.settings.synthetic else ""
+        self.title_label.setText(profile.name + ("  (shipped, read-only)" if profile.shipped else "") + bench_only)
         self.notes_edit.setPlainText(profile.notes)
         lines = ["settings:"]
         for name, value in profile.settings.to_dict().items():
+            if name == "synthetic_rates" and not value:
+                continue  # off: not listed (it is no knob)
             if name == "sub_vocab" and profile.sub_vocab_fraction is not None:
                 value = f"{profile.sub_vocab_fraction:.2%} of the model's vocabulary"
             lines.append(f"  {name:<14} {value}")

@@ -207,10 +207,16 @@ class MainWindow(QMainWindow):
         banner_layout.addWidget(self.error_label, 1)
         banner_layout.addWidget(self.error_close)
         self.error_banner.hide()
+        # Shown while a bench with synthetic acceptance runs: its figures are speed only, its text not the model's.
+        self.synthetic_banner = QLabel("")
+        self.synthetic_banner.setWordWrap(True)
+        self.synthetic_banner.setStyleSheet("background:#fff3cd; color:#664d03; padding:6px; font-weight:bold;")
+        self.synthetic_banner.hide()
 
         right = QWidget()
         right_layout = QVBoxLayout(right)
         right_layout.setContentsMargins(0, 0, 0, 0)
+        right_layout.addWidget(self.synthetic_banner)
         right_layout.addWidget(self.error_banner)
         right_layout.addWidget(self.tabs, 1)
         splitter = QSplitter()
@@ -620,6 +626,9 @@ class MainWindow(QMainWindow):
             self._save_timer.start()
 
     def apply_profile(self, profile: Profile) -> None:
+        if profile.settings.synthetic:  # a bench profile: its synthetic rates apply on the Bench tab only
+            profile = dataclasses.replace(profile, settings=profile.settings.replace(synthetic_rates=()))
+            self.show_message("The profile's synthetic acceptance rates apply only on the Bench tab; its knobs applied")
         vocab = self.model_info["vocab_size"] if self.model_info else None
         settings = profile.settings_for(vocab) if vocab else profile.settings
         self.plots.name_settings(settings, profile.name)
@@ -689,17 +698,25 @@ class MainWindow(QMainWindow):
         self._stopping = False
         self.run_panel.set_running(True)
         self._update_bench_button()
-        self.state_label.setText("Bench running…")
+        synthetic = [(name, p.settings.synthetic_rates) for name, p in arms if p.settings.synthetic]
+        if synthetic:
+            from app.bench import SYNTHETIC_BANNER, rates_text
+
+            rates = "; ".join(f"{name}: rates {rates_text(r)}" for name, r in synthetic)
+            self.synthetic_banner.setText(f"{SYNTHETIC_BANNER} ({rates})")
+            self.synthetic_banner.show()
+        self.state_label.setText("Bench running (synthetic acceptance)…" if synthetic else "Bench running…")
         self.worker.bench(BenchRequest(self.model_key(), arms, workloads, rounds, max_new_tokens))
 
     def _on_bench_finished(self, report: Any) -> None:
         self.state = "idle"
+        self.synthetic_banner.hide()
         self.run_panel.set_running(False)
         self.bench_tab.on_finished(report)
         self._update_bench_button()
         self.state_label.setText("Bench done" if report is not None else "Bench stopped")
-        if report is None or not self.bench_tab.record_figures.isChecked():
-            return
+        if report is None or not self.bench_tab.record_figures.isChecked() or report.synthetic:
+            return  # a synthetic bench's figures are no profile's real speed
         # Arms are named after their profiles (a profile benched against itself gets "(A)" /
         # "(B)" appended, matches no profile, and so stores nothing).
         self.profiles_tab.record_bench(

@@ -5,6 +5,7 @@
 //   sample_probs_rows   reference.sample_probs   (one block per row)
 //   sample_token_rows   reference.sample_token   (one block per row)
 //   spec_accept_k       reference.spec_accept    (one block)
+//   synthetic_accept_k  reference.synthetic_accept (one thread)
 // Random numbers: rng_u is reference.rng_uniform, integer for integer (same hash, same 24-bit uniforms).
 // Every reduction has a fixed order (block trees, integer atomics for the top-p masses), so a kernel gives the
 // same bits on every run: the same seed gives the same text.
@@ -354,4 +355,30 @@ extern "C" __global__ void spec_accept_k(const long long* __restrict__ drafts, c
         out[2 + k] = idx;
         cache_len[0] += k + 1;
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// synthetic_accept_k: reference.synthetic_accept (a measurement mode). Modelled on greedy_accept: one thread
+// finds n_valid (p_min in double, as the reference's draft_probs.double() >= p_min), then the accepted prefix
+// from the draws u(seed, start, slot i, purpose 4 = RNG_SYNTH) < rates[min(i, m-1)], and writes the layout
+// greedy_accept writes; out[2 + k .. 2 + n] all hold the target's token k, as in the reference.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void synthetic_accept_k(const long long* __restrict__ drafts, const float* __restrict__ draft_probs,
+                                              const long long* __restrict__ target, double p_min,
+                                              const float* __restrict__ rates, int m, int n,
+                                              const long long* __restrict__ seed, const long long* start_ptr,
+                                              long long start_val, long long* __restrict__ cache_len,
+                                              long long* __restrict__ out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const long long sd = seed[0];
+    const long long pos = sk_start(start_ptr, start_val);
+    int nv = 0;
+    while (nv < n && (double)draft_probs[nv] >= p_min) ++nv;
+    int k = 0;
+    while (k < nv && rng_u(sd, pos, k, 4) < rates[k < m ? k : m - 1]) ++k;
+    const long long bonus = target[k];
+    out[0] = k + 1;
+    out[1] = nv;
+    for (int i = 0; i <= n; ++i) out[2 + i] = i < k ? drafts[i] : bonus;
+    cache_len[0] += k + 1;
 }
