@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -221,6 +221,13 @@ def random_9b_weights(device: torch.device, overrides: dict | None = None):
     return cfg, w, bool(mtp)
 
 
+# The exact Qwen3.5-9B text shapes: its real 248,320-id vocabulary (an untied 2 GB LM head) and one MTP layer.
+REAL_9B = {"vocab_size": 248320, "mtp_num_hidden_layers": 1}
+# Qwen3-Next's published MTP acceptance for draft positions 1..3, then 0.05 less a position (our extension),
+# used as each position's acceptance given the ones before it.
+QWEN3_NEXT_RATES = (0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4)
+
+
 def random_9b_weights_fp32(device: torch.device, overrides: dict | None = None):
     """The same random 9B-like model in fp32 (for checks that must not depend on bf16 rounding)."""
     cfg, w, has_mtp = random_9b_weights(device, overrides)
@@ -358,6 +365,94 @@ def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
     say()
 
 
+def section_real(n: int) -> None:
+    """Speculation at real scale: the 9B-real model (248k vocabulary, one MTP layer, random bf16) with synthetic
+    acceptance at Qwen3-Next's MTP rates: the real draft and verify work, the accepted count drawn from the rates."""
+    rates = ", ".join(f"{r:g}" for r in QWEN3_NEXT_RATES)
+    say("== (real) 9B-real: Qwen3.5-9B shapes, 248,320-id vocabulary, one MTP layer (random bf16) ==")
+    say(f"synthetic acceptance, per position given the ones before accepted: {rates}")
+    eng = Engine.from_factory(
+        random_9b_weights, (REAL_9B,), IdsOnly(), Path("random-9b-real"), 4096, [torch.device("cuda")]
+    )
+    torch.cuda.empty_cache()
+    prompt = torch.randint(0, REAL_9B["vocab_size"], (512,), generator=torch.Generator().manual_seed(2)).tolist()
+    sess = eng.new_session()
+
+    def run(settings: EngineSettings, reps: int = 2) -> list[dict]:
+        eng.generate(prompt, 32, settings, sess)  # warm-up: this setting's plans
+        out = []
+        for _ in range(reps):
+            sess.reset()
+            out.append(eng.generate(prompt, n, settings, sess).stats)
+        return out
+
+    def tps(runs: list[dict]) -> float:
+        return statistics.fmean(r["tokens_per_second"] for r in runs)
+
+    def syn(**kw) -> EngineSettings:
+        return EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, plan_pool=16, **kw)
+
+    target = tps(run(EngineSettings(speculative=False, plan_pool=16)))
+    say(f"target-only: {target:.1f} t/s")
+    say("round cost model (ms a round, means over rounds that captured nothing):")
+    say(f"{'depth':>5} {'t/s':>8} {'vs target':>9} {'acc.len':>7} {'draft':>7} {'verify':>7} {'accept':>7} {'host':>6}")
+    best = (0.0, 0)
+    for d in range(1, 9):
+        runs = run(syn(draft_depth=d, chain=True))
+        t, acc = tps(runs), statistics.fmean(r["mean_accepted_length"] for r in runs)
+        c = runs[-1]["round_cost_by_depth"].get(d, {})
+        ms = [1e3 * c.get(k, 0.0) for k in ("draft_s", "verify_s", "accept_s", "host_s")]
+        say(f"{d:>5} {t:>8.1f} {t / target:>8.2f}x {acc:>7.2f} " + " ".join(f"{x:>7.3f}" for x in ms))
+        best = max(best, (t, d))
+    say(f"best depth with chain: {best[1]}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
+    say()
+    d = best[1]
+    say(f"sub-vocab at depth {d} (chain on): {'N':>7} {'draft ms/step':>13} {'t/s':>8} {'vs full':>8}")
+    full_step = full_tps = 0.0
+    for sub in (0, 65536, 32768, 16384):
+        runs = run(syn(draft_depth=d, chain=True, sub_vocab=sub))
+        step = 1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d
+        t = tps(runs)
+        full_step, full_tps = (step, t) if sub == 0 else (full_step, full_tps)
+        say(
+            f"{'':<28}{sub or 'full':>7} {step:>13.3f} {t:>8.1f} {t / full_tps:>7.2f}x"
+            + (f"   draft step {full_step / step:.1f}x cheaper" if sub else "")
+        )
+    # a sub-vocab order (as `specdeck subvocab build` writes for a real tokenizer): 65,536 ids spread over the
+    # vocabulary, their head rows gathered once; the draft step should cost what the prefix's does
+    eng.set_sub_vocab_order(list(range(0, REAL_9B["vocab_size"], 3))[:65536], "bench: every third id")
+    runs = run(syn(draft_depth=d, chain=True, sub_vocab=32768))
+    step = 1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d
+    say(f"{'':<20}32768 of an order {step:>13.3f} {tps(runs):>8.1f} {tps(runs) / full_tps:>7.2f}x")
+    eng.set_sub_vocab_order(None)
+    on, off = tps(run(syn(draft_depth=5, chain=True))), tps(run(syn(draft_depth=5, chain=False)))
+    say(f"depth 5: chain on {on:.1f} t/s, chain off {off:.1f} t/s: chain {on / off:.2f}x")
+    say()
+    for label, st in (
+        ("target-only", EngineSettings(speculative=False, plan_pool=16)),
+        ("depth 5 chain", syn(draft_depth=5, chain=True)),
+        ("depth 5 chain sub 32k", syn(draft_depth=5, chain=True, sub_vocab=32768)),
+        ("depth 3 chain p_min 0.3", syn(draft_depth=3, chain=True, p_min=0.3)),
+    ):
+        sess.reset()
+        eng.generate(prompt, 24, st, sess)
+        sess.reset()
+        stream = eng.stream(prompt, 40, st, sess)
+        next(stream)
+        rounds, verdict = 0, "one host sync per round"
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in stream:
+                rounds += 1
+        except RuntimeError as exc:
+            verdict = f"a hidden sync: {str(exc).splitlines()[0][:80]}"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        say(f"{label:<26} {rounds:>3} rounds under sync debug 'error': {verdict}")
+    say()
+    eng.close()
+
+
 def section_ctx(model_dir: Path, lengths: list[int]) -> None:
     """Long context on the 9B-like model: prefill speed and peak memory, decode speed at each context length,
     and speculative == greedy at 32k (also on the bundled model in fp32)."""
@@ -467,6 +562,8 @@ def main() -> int:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_s(eng, a.n)
             del eng
+        if "real" in sections:
+            section_real(a.n)
         if "ctx" in sections:
             section_ctx(model_dir, [int(x) for x in a.ctx.split(",")])
         if "auto" in sections:

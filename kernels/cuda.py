@@ -326,6 +326,9 @@ _ATT_MIN_KEYS_PER_SPLIT = 64
 # at once. Timed on the H200 ([T, 16, 256] bf16, 4 KV heads, device start, us per call at 1k/32k/128k):
 # "warp", T=1: 2 a SM 13.6/431/1802, 8 a SM 16.2/139/519 (more: capped at _ATT_MAX_SPLITS, no faster);
 # "tile", T=4: 2 a SM 46.7/265/954, 4 a SM 56.0/294/960 (it already shares K/V tiles between rows).
+# Tried and dropped: a "warp" walk whose block serves the 4 query heads of a kv head (each K/V row read
+# once per group, not per head): 26.9/233/883 at T=1, slower than "warp" (the per-warp register state of
+# four heads cut the loads in flight more than the shared reads saved).
 _ATT_WARP_BLOCKS_PER_SM = 8
 _ATT_TILE_BLOCKS_PER_SM = 2
 
