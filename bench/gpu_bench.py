@@ -405,6 +405,15 @@ def section_real(n: int) -> None:
         say(f"{d:>5} {t:>8.1f} {t / target:>8.2f}x {acc:>7.2f} " + " ".join(f"{x:>7.3f}" for x in ms))
         best = max(best, (t, d))
     say(f"best depth with chain: {best[1]}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
+    auto = syn(draft_depth="auto", max_draft_depth=8, chain=True)
+    eng.generate(prompt, n, auto, sess)  # the controller's first run: its sweep over the depths
+    runs = run(auto)
+    depths = runs[-1]["round_cost_by_depth"]
+    most = max(depths, key=lambda k: depths[k]["rounds"])
+    say(
+        f"depth auto (max 8): {tps(runs):.1f} t/s, {tps(runs) / target:.2f}x target-only, "
+        f"{tps(runs) / best[0]:.3f} of the best static depth; most rounds at depth {most}"
+    )
     say()
     d = best[1]
     say(f"sub-vocab at depth {d} (chain on): {'N':>7} {'draft ms/step':>13} {'t/s':>8} {'vs full':>8}")

@@ -48,6 +48,8 @@ class DepthController:
         self._probe_gap = 2  # rounds between probes, doubling up to probe_every
         self._next_probe = 2
         self._remeasure: int | None = None
+        self._decided: tuple[list[float], list[float]] | None = None  # the curve and acceptance of the last choice
+        self._acceptance: list[float] = []
         # First, one visit to every other depth (its first round captures its plans, the next is timed), so
         # every T(d) is measured and later probes and moves find their plans: exploration costs its captures
         # once, at the start of a session, not in the middle of later runs.
@@ -71,7 +73,8 @@ class DepthController:
     def expected_tokens(self) -> list[float]:
         """E(d) for d = 1..max_depth."""
         out, run, total = [], 1.0, 1.0
-        for p in self.acceptance():
+        self._acceptance = self.acceptance()
+        for p in self._acceptance:
             run *= p
             total += run
             out.append(total)
@@ -106,6 +109,7 @@ class DepthController:
     def choose(self) -> int:
         """The depth of the next round."""
         curve = self.curve()
+        self._decided = (curve, self._acceptance)
         if any(curve):
             best = max(range(self.max_depth), key=lambda i: curve[i]) + 1
             here = curve[self.depth - 1]
@@ -151,10 +155,12 @@ class DepthController:
             self.time_n[depth] += 1.0
 
     def snapshot(self) -> dict:
-        """For the app: the depth chosen and the curve it decided from."""
+        """For the app: the depth chosen and the curve it decided from (kept by choose(): a round's host
+        work stays one curve, not two)."""
+        curve, acceptance = self._decided if self._decided is not None else (self.curve(), self.acceptance())
         return {
             "depth": self.last_choice,
-            "expected_tokens_per_s": self.curve(),
-            "acceptance": self.acceptance(),
+            "expected_tokens_per_s": curve,
+            "acceptance": acceptance,
             "switches": self.switches,
         }

@@ -196,13 +196,18 @@ def _catch_up(model: DecodeModel, state: SessionState, rows: int) -> torch.Tenso
 
 
 def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) -> int:
-    """How many catch-up rows a chained draft computes: at least depth + 1, so the draft plan of a depth is
-    one shape whatever the last round accepted (pending = accepted + 1 <= previous depth + 1). Keyed by
-    the exact pending count instead, a depth needed depth + 1 plans, and an adaptive depth moving between
-    neighbours filled the plan pool and recaptured every few rounds. Exact where the padded rows would
-    pass the end of the caches."""
-    rows = max(pending, depth + 1)
-    return rows if first + rows <= state.max_context else pending
+    """How many catch-up rows a chained draft computes: at least depth + 1 and at least the most this session
+    has computed, so the draft plan of a depth is one shape whatever the rounds before did (pending =
+    accepted + 1 <= previous depth + 1). Keyed by the exact pending count, a depth needed depth + 1 plans,
+    and an adaptive depth moving between neighbours (a round at 7 after one at 8 has up to 9 pending rows)
+    kept adding shapes, filled the plan pool and recaptured in the middle of runs. Exact where the padded
+    rows would pass the end of the caches."""
+    rows = max(pending, depth + 1, state.catch_up_floor)
+    if first + rows > state.max_context:
+        return pending
+    if rows <= MAX_CAPTURED_CATCHUP:  # a longer catch-up (after plain rounds) runs eagerly, once
+        state.catch_up_floor = rows
+    return rows
 
 
 def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:

@@ -145,3 +145,30 @@ def test_a_new_controller_measures_every_depth_once_then_probes_only_measured_on
     for i, d in enumerate(late):
         if i and d != late[i - 1]:
             assert ctrl.time_n[d] > 0  # every switch or probe after the sweep lands on a measured depth
+
+
+def test_a_depth_moving_between_neighbours_keeps_one_draft_plan_shape_per_depth(monkeypatch):
+    """A round at depth 7 after one at 8 has up to 9 pending MTP rows; keyed by that count, every move added a
+    plan shape, the pool overflowed and recaptured mid-run. The catch-up is padded to the most rows the session
+    has computed, so each depth has one draft shape; and the text is still plain greedy."""
+    from engine.plans import PlanPool
+
+    keys = []
+    real = PlanPool.run
+    monkeypatch.setattr(PlanPool, "run", lambda self, key, cap, work: keys.append(key) or real(self, key, cap, work))
+    from app.workloads import load_workloads
+
+    eng = Engine.load()  # the bundled model: its drafts are accepted, so rounds end with many pending rows
+    ids = load_workloads()["code_echo"].prompt_for(eng.tokenizer)
+    greedy = eng.generate(ids, 80, EngineSettings(speculative=False)).tokens
+    sess = eng.new_session(EngineSettings(draft_depth=8, chain=True))
+    out, moves = [], [8, 7, 7, 8, 6, 6, 5, 5, 8, 7]
+    for i, ev in enumerate(eng.stream(ids, 80, session=sess)):
+        out.extend(ev.tokens)
+        sess.settings = EngineSettings(draft_depth=moves[(i + 1) % len(moves)], chain=True)
+    assert out == greedy
+    shapes = {}
+    for key in keys:
+        if key[0] == "draft":
+            shapes.setdefault(key[2], set()).add(key[1])  # depth -> catch-up row counts
+    assert len(shapes) == 4 and all(len(rows) == 1 for rows in shapes.values()), shapes
