@@ -1,6 +1,7 @@
 """Issue 19, the command line as a new user meets it: threads, the bench's spread and verdict,
 shipped profiles that each test one knob, profile lookup, and errors in the CLI's own words."""
 
+# ruff: noqa: F811 (fixtures are imported from cli_fixtures and then named as test arguments)
 from __future__ import annotations
 
 import json
@@ -9,29 +10,13 @@ import subprocess
 import sys
 
 import pytest
+from cli_fixtures import config, keep_torch_threads  # noqa: F401 (fixtures)
 
 from app import profiles as P
 from app.bench import BenchArm, BenchReport, BenchRow
 from app.cli import main, user_wording
 from app.threads import THREADS_ENV, apply_cpu_threads, cpu_threads, default_cpu_threads, usable_cores
 from engine.settings import EngineSettings
-
-
-@pytest.fixture
-def config(tmp_path, monkeypatch):
-    directory = tmp_path / "config"
-    monkeypatch.setenv("SPECDECK_CONFIG_DIR", str(directory))
-    return directory
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    import torch
-
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 # ---- threads ------------------------------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 report's marks, and profiles, which refuse the rates unless marked as a bench profile, so that a normal run can
 never enable the mode by accident. (The window: tests/test_app_synthetic.py.)"""
 
+# ruff: noqa: F811 (fixtures are imported from cli_fixtures and then named as test arguments)
 from __future__ import annotations
 
 import json
 import tomllib
 
 import pytest
+from cli_fixtures import config, keep_torch_threads  # noqa: F401 (fixtures)
 
 from app import profiles as P
 from app.bench import SYNTHETIC_BANNER, BenchArm, parse_synthetic_rates, run_bench
@@ -16,22 +18,6 @@ from engine import Engine
 from engine.settings import EngineSettings
 
 BENCH = ["bench", "--rounds", "1", "-n", "6", "--workloads", "prose", "--threads", "1"]
-
-
-@pytest.fixture
-def config(tmp_path, monkeypatch):
-    directory = tmp_path / "config"
-    monkeypatch.setenv("SPECDECK_CONFIG_DIR", str(directory))
-    return directory
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    import torch
-
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- the command line -------------------------------------------------------------------------------------
