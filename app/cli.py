@@ -59,7 +59,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--max-context",
         type=int,
         default=None,
-        help="positions a session holds (default: the model's trained length, where half the free memory holds it)",
+        help="positions a session holds (default: the model's trained length, where a quarter of the free memory holds it)",
     )
     p.add_argument(
         "--gemm",

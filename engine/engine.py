@@ -277,9 +277,15 @@ class Engine:
             )
         if len(devs) > 1:
             # every rank must size its sessions alike: the trained length, at most PARALLEL_DEFAULT_CONTEXT
-            if max_context is None:
-                max_context = min(cfg.max_position_embeddings or DEFAULT_CONTEXT, PARALLEL_DEFAULT_CONTEXT)
+            asked = max_context is not None
+            if not asked:
+                max_context = max(16, min(cfg.max_position_embeddings or DEFAULT_CONTEXT, PARALLEL_DEFAULT_CONTEXT))
             eng = cls._load_parallel(("dir", str(path), dtype), tokenizer, path, max_context, devs, gemm)
+            if not asked:
+                eng.context_note = (
+                    f"max_context {max_context:,} (the model's trained length, at most "
+                    f"{PARALLEL_DEFAULT_CONTEXT:,} on several devices; pass max_context to choose)"
+                )
         else:
             try:
                 weights, has_mtp = load_weights(path, cfg, dev, DTYPES[dtype])
@@ -522,25 +528,27 @@ class Engine:
     # ---- sessions -------------------------------------------------------------------------------
     def _default_context(self) -> int:
         """max_context when none was asked for: the model's trained length (config.json's
-        max_position_embeddings, else DEFAULT_CONTEXT) where a session of it takes at most half of the
-        device's free memory (the rest is for prefill, plans and a second session); else the longest
-        multiple of 1024 that does. Says which in `context_note`."""
+        max_position_embeddings, else DEFAULT_CONTEXT; at least 16) where a session of it takes at most a
+        quarter of the device's free memory (the rest is for a second session, as the Bench tab and tune
+        open one beside the window's, and for prefill and plans); else the longest multiple of 1024 that
+        does. Says which in `context_note`."""
         cfg, dtype, planes, mtp = self.model.cfg, self.model.dtype, self.n_planes, self.model.has_mtp
-        trained = cfg.max_position_embeddings or DEFAULT_CONTEXT
+        trained = max(16, cfg.max_position_embeddings or DEFAULT_CONTEXT)
         free = free_bytes(self.model.device)
+        budget = None if free is None else free // 4
 
         def need(n: int) -> int:
             return sum(session_bytes(cfg, dtype, n, planes, mtp).values())
 
-        if free is None or need(trained) <= free // 2:
+        if budget is None or need(trained) <= budget:
             source = "the model's trained length" if cfg.max_position_embeddings else "the default"
             self.context_note = f"max_context {trained:,} ({source})"
             return trained
         lo, hi = 1, trained // 1024  # in units of 1024 positions: the largest that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid * 1024) <= free // 2 else (lo, mid - 1)
-        n = max(min(trained, 16), lo * 1024 if need(lo * 1024) <= free // 2 else min(trained, 1024))
+            lo, hi = (mid, hi) if need(mid * 1024) <= budget else (lo, mid - 1)
+        n = max(16, lo * 1024 if need(lo * 1024) <= budget else min(trained, 1024))
         gib = 2**30
         self.context_note = (
             f"max_context {n:,} of the model's {trained:,}: a session of {trained:,} positions needs "
@@ -717,10 +725,11 @@ class Engine:
             state = sess.state
             if reset is None:
                 reset = ids[: len(state.tokens)] != state.tokens or len(ids) < len(state.tokens) or not state.tokens
+            first_settings = sess.settings  # read once: the prefill's chunk must be the same on every rank
             if leader and self.cluster is not None:
                 eos = self.tokenizer.eos_token_ids
                 self.cluster.send(
-                    "run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling, sess.settings
+                    "run", sess.sid, ids, max_new_tokens, reset, eos, drafter is not None, sampling, first_settings
                 )
                 if drafter is not None:
                     drafter = leader_drafter(drafter, self.cluster)
@@ -730,7 +739,7 @@ class Engine:
             stats = RunStats()
             t0 = time.perf_counter()
             with self._run_failures(state), torch.inference_mode():
-                stats.prefill_tokens = prefill(self.model, state, sess.settings.prefill_chunk)
+                stats.prefill_tokens = prefill(self.model, state, first_settings.prefill_chunk)
             stats.prefill_s = time.perf_counter() - t0
             generated: list[int] = []
             stream_text = _StreamText(self.tokenizer)

@@ -341,6 +341,9 @@ class Model:
             self.head = None
         self.mirror = bool(settings.mirror_output)
         self._gather_remap_head()
+        # The head (and the order's rows) are new tensors: a plan captured before, under the same mirror
+        # setting, would read the freed ones after a toggle back. A new version keys new plans.
+        self._remap_version += 1
 
     def set_option(self, name: str, value) -> None:
         """Model options that are not user knobs (the bench's "gather" combine; the sub-vocab order)."""

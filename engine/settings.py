@@ -153,8 +153,8 @@ class EngineSettings:
         for name in (n for n, t in kinds.items() if t == "float"):
             lo, hi = _RANGES[name]
             p = getattr(self, name)
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not (lo <= float(p) <= hi):
-                raise ValueError(f"{name} must be a number in {lo:g}..{hi:g}, got {p!r}")
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not (lo <= p <= hi):  # no float(): overflow
+                raise ValueError(f"{name} must be a number in {lo:g}..{hi:g}, got {str(p)[:40]}")
             object.__setattr__(self, name, float(p))
         object.__setattr__(self, "synthetic_rates", _check_rates(self.synthetic_rates))
 
@@ -259,8 +259,8 @@ def _check_rates(value: Any) -> tuple[float, ...]:
         raise ValueError(f"synthetic_rates has {len(value)} rates; at most {MAX_DRAFT_DEPTH} (one per draft position)")
     out = []
     for i, rate in enumerate(value):
-        ok = not isinstance(rate, bool) and isinstance(rate, (int, float)) and 0.0 <= float(rate) <= 1.0
-        if not ok:  # NaN fails the range too
-            raise ValueError(f"synthetic_rates[{i}] must be a number in 0..1, got {rate!r}")
+        ok = not isinstance(rate, bool) and isinstance(rate, (int, float)) and 0 <= rate <= 1  # NaN fails too
+        if not ok:  # (compared as given: float() of a huge integer would overflow)
+            raise ValueError(f"synthetic_rates[{i}] must be a number in 0..1, got {str(rate)[:40]}")
         out.append(float(rate))
     return tuple(out)

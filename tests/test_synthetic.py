@@ -274,3 +274,13 @@ def test_the_setting_is_not_a_knob():
 
     assert "synthetic_rates" not in {k.name for k in knobs()}
     hash(EngineSettings(synthetic_rates=(0.5,)))  # still a settings value (sets, dict keys, plan pools)
+
+
+def test_a_huge_or_not_a_number_rate_is_a_clear_error_naming_the_field():
+    """A profile or flag can carry any number: float() of a huge integer would raise OverflowError, not the
+    one-line message naming the field."""
+    for bad, field in (((10**400,), "synthetic_rates[0]"), ((0.5, float("nan")), "synthetic_rates[1]")):
+        with pytest.raises(ValueError, match=rf"{field.replace('[', '.').replace(']', '.')} must be a number in 0..1"):
+            EngineSettings(synthetic_rates=bad)
+    with pytest.raises(ValueError, match="p_min must be a number in 0..1"):
+        EngineSettings(p_min=10**400)

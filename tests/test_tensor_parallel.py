@@ -106,6 +106,13 @@ def test_ranks_equal_one_process_for_every_knob(model_dir, single, greedy, n):
             out = tp.generate(PROMPT, 24, settings, tp.new_session())
             assert out.tokens == greedy, case
             assert out.stats["devices"] == n
+        # Mirror on -> off -> on re-makes the head: a plan captured under the first "on" read tensors that
+        # are gone, so the plan key (plan_tag) must differ and no such plan can be replayed.
+        tags = []
+        for mirror in (True, False, True):
+            tp.generate(PROMPT, 4, EngineSettings(draft_depth=2, mirror_output=mirror), tp.new_session())
+            tags.append(tp.model.plan_tag)
+        assert len(set(tags)) == 3, tags
         # Synthetic acceptance: every rank draws the same counts (seed and position only), so the ranks
         # emit what one process emits, mirrored output or not.
         synthetic = EngineSettings(draft_depth=4, synthetic_rates=(0.8, 0.5))
