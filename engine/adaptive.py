@@ -49,7 +49,6 @@ class DepthController:
         self._next_probe = 2
         self._remeasure: int | None = None
         self._decided: tuple[list[float], list[float]] | None = None  # the curve and acceptance of the last choice
-        self._acceptance: list[float] = []
         # First, one visit to every other depth (its first round captures its plans, the next is timed), so
         # every T(d) is measured and later probes and moves find their plans: exploration costs its captures
         # once, at the start of a session, not in the middle of later runs.
@@ -70,11 +69,10 @@ class DepthController:
             prev = out[-1]
         return out
 
-    def expected_tokens(self) -> list[float]:
-        """E(d) for d = 1..max_depth."""
+    def expected_tokens(self, acceptance: list[float] | None = None) -> list[float]:
+        """E(d) for d = 1..max_depth (from `acceptance`, default: what was learned)."""
         out, run, total = [], 1.0, 1.0
-        self._acceptance = self.acceptance()
-        for p in self._acceptance:
+        for p in acceptance if acceptance is not None else self.acceptance():
             run *= p
             total += run
             out.append(total)
@@ -100,16 +98,17 @@ class DepthController:
                 out.append(measured[d0] * (1 + PRIOR_STEP_COST * (d - d0)))
         return out
 
-    def curve(self) -> list[float]:
+    def curve(self, acceptance: list[float] | None = None) -> list[float]:
         """Expected tokens per second for d = 1..max_depth (0 where no time is known yet)."""
         times = self.round_time()
-        return [e / t if t else 0.0 for e, t in zip(self.expected_tokens(), times)]
+        return [e / t if t else 0.0 for e, t in zip(self.expected_tokens(acceptance), times)]
 
     # ---- deciding -----------------------------------------------------------------------------------
     def choose(self) -> int:
         """The depth of the next round."""
-        curve = self.curve()
-        self._decided = (curve, self._acceptance)
+        acceptance = self.acceptance()
+        curve = self.curve(acceptance)
+        self._decided = (curve, acceptance)
         if any(curve):
             best = max(range(self.max_depth), key=lambda i: curve[i]) + 1
             here = curve[self.depth - 1]
