@@ -83,17 +83,10 @@ def best(res: dict, t: int) -> tuple:
 
 def decode_by_context() -> None:
     eng = G.random_9b_engine(max_context=SLOTS, mtp=True)
-    target = EngineSettings(speculative=False, plan_pool=8)
     gen = torch.Generator().manual_seed(1)
-    sess = eng.new_session()
-    eng.generate(torch.randint(0, 32768, (1024,), generator=gen).tolist(), 8, target, sess)
-    G.say(f"{'context':>8} {'decode t/s':>11} {'vs 1k':>6}   (9B-like, bf16, target-only)")
-    first = None
-    for n in CONTEXTS:
-        sess.reset()
-        st = eng.generate(torch.randint(0, 32768, (n,), generator=gen).tolist(), 64, target, sess).stats
-        first = first or st["tokens_per_second"]
-        G.say(f"{n:>8} {st['tokens_per_second']:>11.1f} {st['tokens_per_second'] / first:>6.1%}")
+    eng.generate(torch.randint(0, 32768, (1024,), generator=gen).tolist(), 8, EngineSettings(speculative=False))
+    G.say("9B-like, bf16, target-only, with the forms chosen above:")
+    G.decode_by_context(eng, CONTEXTS, gen)
 
 
 def main() -> int:

@@ -376,15 +376,9 @@ def section_real(n: int) -> None:
     )
     torch.cuda.empty_cache()
     prompt = torch.randint(0, REAL_9B["vocab_size"], (512,), generator=torch.Generator().manual_seed(2)).tolist()
-    sess = eng.new_session()
 
-    def run(settings: EngineSettings, reps: int = 2) -> list[dict]:
-        eng.generate(prompt, 32, settings, sess)  # warm-up: this setting's plans
-        out = []
-        for _ in range(reps):
-            sess.reset()
-            out.append(eng.generate(prompt, n, settings, sess).stats)
-        return out
+    def run(settings: EngineSettings, warm_n: int = 32) -> list[dict]:
+        return run_prompts(eng, settings, n, [prompt] * 2, warm_n=warm_n)
 
     def tps(runs: list[dict]) -> float:
         return statistics.fmean(r["tokens_per_second"] for r in runs)
@@ -406,8 +400,7 @@ def section_real(n: int) -> None:
         best = max(best, (t, d))
     say(f"best depth with chain: {best[1]}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
     auto = syn(draft_depth="auto", max_draft_depth=8, chain=True)
-    eng.generate(prompt, n, auto, sess)  # the controller's first run: its sweep over the depths
-    runs = run(auto)
+    runs = run(auto, warm_n=n)  # the warm-up is the controller's first run: its sweep over the depths
     depths = runs[-1]["round_cost_by_depth"]
     most = max(depths, key=lambda k: depths[k]["rounds"])
     say(
@@ -437,6 +430,7 @@ def section_real(n: int) -> None:
     on, off = tps(run(syn(draft_depth=5, chain=True))), tps(run(syn(draft_depth=5, chain=False)))
     say(f"depth 5: chain on {on:.1f} t/s, chain off {off:.1f} t/s: chain {on / off:.2f}x")
     say()
+    sess = eng.new_session()
     for label, st in (
         ("target-only", EngineSettings(speculative=False, plan_pool=16)),
         ("depth 5 chain", syn(draft_depth=5, chain=True)),
@@ -460,6 +454,20 @@ def section_real(n: int) -> None:
         say(f"{label:<26} {rounds:>3} rounds under sync debug 'error': {verdict}")
     say()
     eng.close()
+
+
+def decode_by_context(eng: Engine, lengths: list[int], gen: torch.Generator, n: int = 64) -> None:
+    """Target-only decode t/s after a random prompt of each length, and its share of the first length's."""
+    target = EngineSettings(speculative=False, plan_pool=8)
+    sess = eng.new_session()
+    say(f"{'context':>8} {'decode t/s':>11} {'vs ' + str(lengths[0]):>8}")
+    first = None
+    for length in lengths:
+        sess.reset()
+        ids = torch.randint(0, eng.model.cfg.vocab_size, (length,), generator=gen).tolist()
+        st = eng.generate(ids, n, target, sess).stats
+        first = first or st["tokens_per_second"]
+        say(f"{length:>8} {st['tokens_per_second']:>11.1f} {st['tokens_per_second'] / first:>8.1%}")
 
 
 def section_ctx(model_dir: Path, lengths: list[int]) -> None:
@@ -490,13 +498,7 @@ def section_ctx(model_dir: Path, lengths: list[int]) -> None:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         say(f"{n:>8} {st['prefill_tokens'] / st['prefill_s']:>12,.0f} {peak:>15.2f}")
     say()
-    say(f"{'context':>8} {'decode t/s':>11} {'vs 1k':>6}")
-    first = None
-    for n in lengths:
-        sess.reset()
-        st = eng.generate(ids(n), 64, target, sess).stats
-        first = first or st["tokens_per_second"]
-        say(f"{n:>8} {st['tokens_per_second']:>11.1f} {st['tokens_per_second'] / first:>6.1%}")
+    decode_by_context(eng, lengths, gen)
     say()
     n = 32768 if top >= 32768 else lengths[-1]
     prompt = ids(n)
