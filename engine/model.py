@@ -84,7 +84,7 @@ class Model:
         self.remap_local_ids: torch.Tensor | None = None
         self.remap_local_head: torch.Tensor | None = None
         self._remap_pos: list[int] = []
-        self._remap_version = 0  # in plan_tag: a plan never outlives the tensors it read
+        self._head_version = 0  # in plan_tag, bumped when the head or the order's rows are re-made: a plan never outlives the tensors it read
         self._pack()
 
     def _pack(self) -> None:
@@ -297,7 +297,7 @@ class Model:
         share, plus all K while the head is mirrored)."""
         self.remap_ids = self.remap_head = self.remap_local_ids = self.remap_local_head = None
         self._remap_pos = []
-        self._remap_version += 1
+        self._head_version += 1
         if ids is None:
             return
         self.remap_ids = torch.tensor(list(ids), dtype=torch.long, device=self.device)
@@ -343,7 +343,7 @@ class Model:
         self._gather_remap_head()
         # The head (and the order's rows) are new tensors: a plan captured before, under the same mirror
         # setting, would read the freed ones after a toggle back. A new version keys new plans.
-        self._remap_version += 1
+        self._head_version += 1
 
     def set_option(self, name: str, value) -> None:
         """Model options that are not user knobs (the bench's "gather" combine; the sub-vocab order)."""
@@ -358,7 +358,7 @@ class Model:
     def plan_tag(self) -> tuple:
         """Anything beyond the batch shape that a captured plan depends on."""
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
-        return (*tag, self._remap_version) if self._remap_version else tag
+        return (*tag, self._head_version) if self._head_version else tag
 
     @property
     def capturable(self) -> bool:
