@@ -48,7 +48,6 @@ import hashlib
 import os
 import platform
 import re
-import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from typing import Any
 
 import tomli_w
 
+from engine.files import fsync_dir, move_into_place, write_temp_beside
 from engine.sampling import SamplingParams
 from engine.settings import EngineSettings
 from engine.untrusted import MiB, OutOfTime, exists, one_line, read_capped, time_limit
@@ -377,55 +377,20 @@ def _write_temp(path: Path, text: str) -> str:
         ) from None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A short prefix: `path.name` may already be near the file-name limit.
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:24]}.", suffix=".tmp")
+        return write_temp_beside(path, data)
     except OSError as exc:  # a read-only folder, a full disk: say where and what to do
         raise _write_error(path, exc) from None
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
-        if isinstance(exc, OSError):
-            raise _write_error(path, exc) from None
-        raise
-    return tmp_name
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some platforms cannot open a directory; the rename is still done
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees the old file or the new one, never half.
-
-    The temp file is in the same directory (os.replace is atomic only within one file system),
-    is fsynced before the rename, and the directory is fsynced after it so the rename survives
-    a power cut. Any failure (a full disk, a read-only folder) is one ProfileError naming the file,
-    and the old file is left as it was.
-    """
+    """Replace `path` with `text` so that a reader sees the old file or the new one, never half
+    (engine/files.py). Any failure (a full disk, a read-only folder) is one ProfileError naming the file,
+    and the old file is left as it was."""
     tmp_name = _write_temp(path, text)
     try:
-        os.replace(tmp_name, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp_name)
-        if isinstance(exc, OSError):
-            raise _write_error(path, exc) from None
-        raise
-    _fsync_dir(path.parent)
+        move_into_place(tmp_name, path)
+    except OSError as exc:
+        raise _write_error(path, exc) from None
 
 
 def write_new(directory: Path, file_name: str, text: str) -> Path:
@@ -457,7 +422,7 @@ def write_new(directory: Path, file_name: str, text: str) -> Path:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                     raise _write_error(path, exc2) from None
-            _fsync_dir(directory)
+            fsync_dir(directory)
             return path
         raise ProfileError(f"cannot find a free file name for {file_name} in {directory}")
     finally:

@@ -21,14 +21,13 @@ subvocab show` describes one (`describe`).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import EngineError
+from .files import replace_file
 from .untrusted import MiB, check_regular, exists, load_json, one_line
 
 FILE_NAME = "subvocab.json"
@@ -189,16 +188,9 @@ def write_order(path: Path, order: SubVocabOrder, vocab_size: int, force: bool =
         "size": order.size,
     }
     text = json.dumps(body, ensure_ascii=True)[:-1] + ', "ids": ' + json.dumps(list(order.ids)) + "}\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, text.encode("ascii"))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise SubVocabError(f"{path}: cannot write the sub-vocab order ({exc.strerror or exc})") from None
 
 

@@ -770,7 +770,9 @@ def _(w: Work):
     def denied(*a, **k):
         raise OSError(errno.EACCES, os.strerror(errno.EACCES))
 
-    P.tempfile.mkstemp = denied
+    import tempfile
+
+    tempfile.mkstemp = denied  # where the profile's temp file would be made (engine/files.py)
     store.save(P.Profile(name="new one", settings=EngineSettings()))
 
 

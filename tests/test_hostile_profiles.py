@@ -8,6 +8,7 @@ import errno
 import multiprocessing
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -160,7 +161,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_old_file_stays(store, m
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    target = {"fsync": (P.os, "fsync"), "replace": (P.os, "replace"), "mkstemp": (P.tempfile, "mkstemp")}[where]
+    target = {"fsync": (P.os, "fsync"), "replace": (P.os, "replace"), "mkstemp": (tempfile, "mkstemp")}[where]
     monkeypatch.setattr(*target, full)
     with pytest.raises(ProfileError) as info:
         store.save(Profile(name="keep", settings=EngineSettings(draft_depth=9)))
