@@ -1024,6 +1024,7 @@ _gemv_text: str | None = None
 _gemv_modules: dict[tuple[int, int], object] = {}
 _gemv_fns: dict[tuple[int, int, str], object] = {}
 _gemv_failed: dict[tuple[int, int], str] = {}  # (device, kind) -> why its module did not compile or load
+_gemv_ready: set[tuple[int, int]] = set()  # (device, kind) whose kernels are all loaded
 _capability: dict[int, tuple[int, int]] = {}
 
 
@@ -1092,16 +1093,16 @@ def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[
     dev, kind = _dev_index(device), _KIND[dtype]
     if (dev, kind) in _gemv_failed:
         return False, _gemv_failed[(dev, kind)]
-    names = _gemv_names(dtype, device)
-    if any((dev, kind, name) not in _gemv_fns for name in names):
+    if (dev, kind) not in _gemv_ready:
         try:
-            for name in names:
+            for name in _gemv_names(dtype, device):
                 _gemv_function(dev, kind, name)
         except Exception as exc:  # noqa: BLE001 - any failure means "not these kernels"
             text = str(exc).strip()
             _gemv_failed[(dev, kind)] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             warnings.warn(f"SpecDeck gemv kernels unavailable ({_gemv_failed[(dev, kind)]})", stacklevel=2)
             return False, _gemv_failed[(dev, kind)]
+        _gemv_ready.add((dev, kind))
     family = "tensor-core and CUDA-core" if _tensor_cores(dtype, device) else "CUDA-core"
     return True, f"{family} gemv kernels loaded"
 
