@@ -155,7 +155,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
     if (n0 >= N) return;  // the whole warp: nothing below synchronises the block
     const int s = blockIdx.y;
     const int k0 = s * kchunk;
-    const int k1 = min(K, k0 + kchunk);
+    const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const scalar_t* wr[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) wr[c] = w + (n0 + c < N ? n0 + c : n0) * wsr;  // a column past N reads n0
@@ -187,7 +187,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 #pragma unroll
                         for (int c = 0; c < C; ++c)
 #pragma unroll
-                            for (int e = 0; e < GV_VEC; ++e) acc[c][m] = fmaf(wf[c][e], xf[e], acc[c][m]);
+                            for (int e = 0; e < GV_VEC; ++e) acc[c][m] = __fmaf_rn(wf[c][e], xf[e], acc[c][m]);
                     }
                 }
             }
@@ -204,7 +204,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 #pragma unroll
                     for (int c = 0; c < C; ++c)
 #pragma unroll
-                        for (int e = 0; e < GV_VEC; ++e) acc[c][m] = fmaf(wf[c][e], xf[e], acc[c][m]);
+                        for (int e = 0; e < GV_VEC; ++e) acc[c][m] = __fmaf_rn(wf[c][e], xf[e], acc[c][m]);
                 }
             }
         }
@@ -218,7 +218,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
                 if (m < M) {
                     const float xv = gv_f(x[m * xs + k]);
 #pragma unroll
-                    for (int c = 0; c < C; ++c) acc[c][m] = fmaf(wf[c], xv, acc[c][m]);
+                    for (int c = 0; c < C; ++c) acc[c][m] = __fmaf_rn(wf[c], xv, acc[c][m]);
                 }
             }
         }
@@ -303,7 +303,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     const long long nb = (long long)blockIdx.x * (16 * CT);
     const int s = blockIdx.y;
     const int k0 = s * kchunk;
-    const int k1 = min(K, k0 + kchunk);
+    const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const int nsteps = (k1 - k0 + 63) >> 6;
 
     const scalar_t* wp[CT][2];
