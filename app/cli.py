@@ -64,8 +64,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gemm",
         default="cublas",
-        choices=["cublas", "autotune"],
-        help="one-token GEMMs: cublas, or autotune (torch.compile max-autotune; large models on CUDA)",
+        choices=["cublas", "autotune", "cupy", "auto"],
+        help=(
+            "decode-sized GEMMs: cublas; autotune (torch.compile max-autotune); cupy (SpecDeck's gemv kernels for "
+            "1..17 rows); auto (per shape the fastest of cuBLAS and the gemv kernels, measured once per GPU and "
+            "cached in $SPECDECK_CACHE_DIR or the user cache folder). The last three need CUDA"
+        ),
     )
     _add_threads_arg(p)
 

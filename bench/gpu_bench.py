@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -10,6 +10,8 @@ c     the best speculative configuration of (b) vs target-only, per workload, in
 d     a random model of Qwen3.5-9B-like shapes built in memory (bf16), target-only: weight bytes read per
       token / time per token, against the copy bandwidth
 bf16  speculative vs target-only in bf16: first divergence per workload and the top-2 logit gap there
+gemv  issue 20: the gemv kernels vs cuBLAS per 9B-like product at 1 and 6 rows (us and % of copy bandwidth),
+      then (d) with --gemm cublas, cupy and auto side by side
 s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
@@ -18,8 +20,10 @@ s     sampling (issue 17): speculative sampling vs target-only sampling at the s
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -244,7 +248,7 @@ def random_9b_engine(devices: list[str] | None = None, max_context: int = 2048, 
     return eng
 
 
-def section_d(bandwidth: float) -> None:
+def section_d(bandwidth: float, modes: tuple[str, ...] = ("cublas", "autotune")) -> None:
     say("== (d) Qwen3.5-9B-like shapes (random, bf16, in memory), target-only decode ==")
     eng = random_9b_engine()
     params = sum(t.numel() for t in eng.model.w.values())
@@ -256,13 +260,18 @@ def section_d(bandwidth: float) -> None:
     say(f"parameters               {params / 1e9:.2f} B")
     say(f"weight bytes read/token  {read_per_token / 1e9:.2f} GB")
     say(f"copy-bandwidth bound     {bandwidth / read_per_token:.1f} t/s")
-    say(f"{'gemm':<9} {'t/s':>8} {'ms/token':>9} {'TB/s':>6} {'% of copy bw':>13} {'first use s':>12}")
-    for mode in ("cublas", "autotune"):
+    say(f"{'gemm':<9} {'t/s':>8} {'ms/token':>9} {'TB/s':>6} {'% of copy bw':>13} {'first use s':>12} {'set s':>6}")
+    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")  # "auto" measures from scratch: its whole cost shows
+    for mode in modes:
+        t_set = time.perf_counter()
         try:
-            eng.model.set_gemm(mode)
+            eng.model.set_gemm(mode, cache_dir=cache)
         except EngineError as e:
             say(f"{mode:<9} unavailable: {e}")
             continue
+        t_set = time.perf_counter() - t_set
+        if eng.model.gemm_notice:
+            say(f"{mode:<9} notice: {eng.model.gemm_notice}")
         sess = eng.new_session()
         t0 = time.perf_counter()
         eng.generate(prompt, 16, s, sess)  # warm: compiles (autotune) and captures every plan
@@ -272,12 +281,78 @@ def section_d(bandwidth: float) -> None:
         achieved = read_per_token * tps
         say(
             f"{mode:<9} {tps:>8.1f} {1000 / tps:>9.2f} {achieved / 1e12:>6.2f} {100 * achieved / bandwidth:>12.0f}%"
-            f" {first:>12.1f}"
+            f" {first:>12.1f} {t_set:>6.1f}"
         )
         del sess
+    if eng.model.gemm == "auto":
+        say("auto's choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
+    shutil.rmtree(cache, ignore_errors=True)
     say()
     del eng
     torch.cuda.empty_cache()
+
+
+# The 9B-like model's products [N, K] (RANDOM_9B): attention qkv|gate (16 heads x 256 x 2 + k, v of 4 x 256),
+# o_proj and the delta-net out_proj (4096 x 4096), the delta-net in_proj (qkv 8192 | z 4096 | b 32 | a 32),
+# MLP gate|up and down, the MTP head's fc, and the LM head at 32k (RANDOM_9B) and 248k (Qwen3.5-9B) rows.
+GEMV_SHAPES = {
+    "attn qkv|gate": (16 * 256 * 2 + 2 * 4 * 256, 4096),
+    "o_proj/out_proj": (4096, 4096),
+    "delta in_proj": (2 * 16 * 128 + 32 * 128 + 32 * 128 + 2 * 32, 4096),
+    "mlp gate|up": (2 * 12288, 4096),
+    "mlp down": (4096, 12288),
+    "mtp fc": (4096, 8192),
+    "lm_head 32k": (32768, 4096),
+    "lm_head 248k": (248320, 4096),
+}
+
+
+def section_gemv(bandwidth: float) -> None:
+    """The gemv kernels against cuBLAS per 9B-like product, 1 and 6 rows, bf16: each timed as gemm "auto" times
+    it (graph replays over distinct weights past L2; engine/gemm.py), % of copy bandwidth = (bytes of W + x +
+    out) / time / copy bandwidth. Then the 9B-like target-only decode with --gemm cublas, cupy and auto."""
+    from engine.gemm import GemvProducts
+    from kernels import ops
+
+    say("== gemv: 9B-like products, bf16, 1 and 6 rows: gemv kernels vs cuBLAS (graph-timed, distinct weights) ==")
+    ops.use_cuda_kernels(True)
+    tuner = GemvProducts("auto", torch.device("cuda"), torch.bfloat16, None)
+    if not tuner.ok:
+        say(f"gemv kernels unavailable: {tuner.notice}")
+        return
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    say(
+        f"{'product':<16} {'N x K':>12} {'M':>2} {'best kernel':>12} {'us':>7} {'%bw':>4} {'default':>12} {'us':>7}"
+        f" {'%bw':>4} {'cuBLAS us':>9} {'%bw':>4} {'auto picks':>12}"
+    )
+    for name, (n, k) in GEMV_SHAPES.items():
+        each = n * k * 2
+        count = max(2, min(8, -(-3 * l2 // each)))
+        try:
+            ws = [(torch.randn(n, k, device="cuda") * k**-0.5).bfloat16() for _ in range(count)]
+        except torch.OutOfMemoryError:
+            say(f"{name:<16} does not fit")
+            continue
+        for m in (1, 6):
+            best, times = tuner._measure(m, n, k, ws)
+            moved = each + m * k * 2 + m * n * 2
+            kernels = {c: t for c, t in times.items() if c != "cublas"}
+            top = min(kernels, key=kernels.get) if kernels else "-"
+            default = ops.gemv_default(m, n, k, torch.bfloat16, torch.device("cuda"))
+
+            def cell(t, moved=moved, width=7):
+                if not t:
+                    return f"{'-':>{width}} {'-':>4}"
+                return f"{t:>{width}.1f} {100 * moved / (t * 1e-6) / bandwidth:>3.0f}%"
+
+            say(
+                f"{name:<16} {f'{n}x{k}':>12} {m:>2} {top:>12} {cell(kernels.get(top))} {default:>12}"
+                f" {cell(times.get(default))} {cell(times['cublas'], width=9)} {best:>12}"
+            )
+        del ws
+        torch.cuda.empty_cache()
+    say()
+    section_d(bandwidth, ("cublas", "cupy", "auto"))
 
 
 def section_bf16(model_dir: Path, n: int) -> None:
@@ -552,7 +627,7 @@ def main() -> int:
     sections = a.sections.split(",")
     say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}")
     bw = 0.0
-    if "copy" in sections or "d" in sections:
+    if "copy" in sections or "d" in sections or "gemv" in sections:
         bw = copy_bandwidth()
         say(f"device copy bandwidth (2 x bytes / time): {bw / 1e12:.2f} TB/s")
         say()
@@ -567,6 +642,8 @@ def main() -> int:
             del eng
         if "d" in sections:
             section_d(bw)
+        if "gemv" in sections:
+            section_gemv(bw)
         if "bf16" in sections:
             section_bf16(model_dir, a.n)
         if "s" in sections:

@@ -230,8 +230,10 @@ class Engine:
     ) -> Engine:
         """Load a model directory. `devices` (e.g. ["cuda:0", "cuda:1"], or ["cpu", "cpu"] to test the split
         on one machine) splits the model tensor-parallel across them; otherwise it runs on `device`.
-        `gemm`: "cublas", or "autotune" (one-token products through torch.compile's max-autotune, for large
-        models on CUDA; see engine/gemm.py)."""
+        `gemm`: "cublas", "autotune" (one-token products through torch.compile's max-autotune), "cupy" (products
+        of 1..17 rows through the CuPy gemv kernels) or "auto" (per shape the fastest of cuBLAS and the gemv
+        kernels, measured at load and cached on disk: $SPECDECK_CACHE_DIR or the user cache folder); the three
+        last need CUDA. See engine/gemm.py."""
         if model_dir is not None and not isinstance(model_dir, (str, os.PathLike)):
             raise ArgumentTypeError(f"model_dir must be a path (str or Path), got {_type_name(model_dir)}")
         for name, value in (("device", device), ("dtype", dtype), ("gemm", gemm)):
@@ -443,6 +445,8 @@ class Engine:
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).replace("torch.", ""),
             "gemm": self.model.gemm,
+            "gemm_choices": self.model.gemm_choices,  # gemm cupy/auto: {"4096x4096 m1": "tc1.w8.s1", ...}
+            "gemm_notice": self.model.gemm_notice,
             "parameters": params,
             "max_context": self.max_context,
             "context_note": self.context_note,  # how max_context was chosen, in one line
@@ -825,6 +829,7 @@ class Engine:
         out["devices"] = len(self.model.device_names)
         out["remap_size"] = self.model.remap_size  # the sub-vocab order's size (0: none); remap_rounds used it
         out["fallbacks"] = kernel_ops.fallbacks()  # GPU calls that ran as PyTorch references, per op (this process)
+        out["gemm_choices"] = self.model.gemm_choices  # gemm cupy/auto: the product per shape and row bucket
         return out
 
     @contextlib.contextmanager

@@ -1,24 +1,51 @@
-"""How the model's one-token products (decode steps) are computed: the GEMM backend.
+"""How the model's decode-sized products are computed: the GEMM backend (`Engine.load(gemm=...)`, `--gemm`).
 
 - "cublas" (default): `F.linear`, i.e. cuBLAS on the GPU. Nothing to compile.
 - "autotune": one-token products go through `torch.compile` with max-autotune: at the first use of each
   weight shape PyTorch's compiler times its cuBLAS call against generated Triton GEMM kernels and keeps the
-  fastest. It pays off on large models, where a decode step is a read of every weight and cuBLAS reads
-  4096-wide projections at well under the copy bandwidth (bench/profile_9b.py, bench/gpu_bench.py section d).
-  Costs a few seconds per distinct weight shape, once, at the first round; needs CUDA and Triton.
+  fastest. Costs a few seconds per distinct weight shape, once, at the first round; needs CUDA and Triton.
+  Products of more than one token and the LM head stay on `F.linear`.
+- "cupy": every product of 1..17 rows (a target step, a verify of depth + 1 rows, the MTP head's rows, the LM
+  head) goes through the CuPy gemv kernels (kernels/cuda_src/gemv_kernels.cu), their default launch per
+  shape; more rows (prefill), or a dtype/layout the kernels do not take, stay on cuBLAS.
+- "auto": per weight shape and row bucket (1, 2-4, 5-8, 9-17 rows), the fastest of cuBLAS and the gemv
+  kernel variants, measured on the device with CUDA events (each candidate replayed from a CUDA graph over
+  several distinct weights of that shape, so that L2 does not flatter it; a variant whose result disagrees
+  with cuBLAS is never chosen). The model's own shapes are measured when the mode is set (at load), shapes
+  first seen later (a sub-vocab slice of the LM head) at their first eager use, never inside a graph capture
+  (a capture meeting an unmeasured shape uses the default launch). Choices are cached on disk per GPU
+  (engine/gemm_cache.py), so a second load measures nothing.
 
-Products of more than one token (verify batches, prefill) and the LM head always use `F.linear`. GEMMs stay
-PyTorch's either way: nothing here is a hand-written kernel.
+The choice per shape is in `Engine.info["gemm_choices"]` and each run's stats (`{"4096x4096 m1": "tc1.w8.s1",
+...}`); a mode whose kernels cannot run here (CuPy missing, the gemv module failing to compile) keeps every
+product on cuBLAS, with one notice line on stderr and in `Engine.info["gemm_notice"]`.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import warnings
+
 import torch
 import torch.nn.functional as F
 
-from .errors import EngineError
+from kernels import ops
 
-GEMM_MODES = ("cublas", "autotune")
+from .errors import EngineError
+from .gemm_cache import TuneCache, cache_file, cache_key
+
+GEMM_MODES = ("cublas", "autotune", "cupy", "auto")
+# Row buckets of the gemv modes: a choice holds for every row count of its bucket (measured at the largest).
+ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 17))
+# Autotune measurement: weights of a shape cycled per graph (distinct tensors, or clones up to ~3 x L2),
+# products per graph, replays timed (the fastest counts).
+_TUNE_MAX_WEIGHTS = 8
+_TUNE_MIN_CALLS = 16
+_TUNE_REPLAYS = 3
+_TUNE_CLONE_BYTES = 512 << 20  # the most a measurement clones to get past L2
+_TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at most _TUNE_MIN_CALLS calls)
 
 _compiled = None
 
@@ -58,5 +85,199 @@ def autotuned_linear():
 def check_mode(mode: str, device: torch.device) -> None:
     if mode not in GEMM_MODES:
         raise EngineError(f"gemm {mode!r} is not known; use one of {', '.join(GEMM_MODES)}")
-    if mode == "autotune" and device.type != "cuda":
-        raise EngineError(f"gemm='autotune' needs a CUDA device, and the model is on {device}; use gemm='cublas'")
+    if mode != "cublas" and device.type != "cuda":
+        raise EngineError(f"gemm={mode!r} needs a CUDA device, and the model is on {device}; use gemm='cublas'")
+
+
+def bucket_index(m: int) -> int:
+    return next(i for i, (lo, hi) in enumerate(ROW_BUCKETS) if lo <= m <= hi)
+
+
+def bucket_label(index: int) -> str:
+    lo, hi = ROW_BUCKETS[index]
+    return f"m{lo}" if lo == hi else f"m{lo}-{hi}"
+
+
+class GemvProducts:
+    """The products of a model in gemm mode "cupy" or "auto": `products(x, w)` is x @ w^T through the gemv
+    kernel variant chosen for w's shape and x's row bucket, or cuBLAS. `cache_path`: the autotune cache file
+    of mode "auto" (None: keep the measurements in memory)."""
+
+    def __init__(self, mode: str, device: torch.device, dtype: torch.dtype, cache_path: os.PathLike | None) -> None:
+        if mode not in ("cupy", "auto"):
+            raise ValueError(f"GemvProducts serves gemm modes cupy and auto, not {mode!r}")
+        self.mode, self.device, self.dtype = mode, device, dtype
+        self.ok, why = ops.gemv_kernels(device, dtype)  # compiles and loads the module now, outside captures
+        self.notice = "" if self.ok else f"gemm {mode}: gemv kernels unavailable ({why}); products stay on cuBLAS"
+        if self.notice:
+            print(f"specdeck: notice: {self.notice}", file=sys.stderr)
+        self.cache = TuneCache(cache_path) if mode == "auto" and self.ok else None
+        if self.cache is not None and self.cache.notice:
+            self.notice = self.cache.notice
+        self.gpu = torch.cuda.get_device_name(device) if self.ok else ""
+        self.version = ops.gemv_version() if self.ok else ""
+        # (n, k, bucket index) -> "cublas" or a gemv variant; the measured us per candidate of mode "auto"
+        self.choices: dict[tuple[int, int, int], str] = {}
+        self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
+        self.measured = 0  # (shape, bucket) pairs measured on the device by this object (not from the cache)
+        self._tuning = False  # inside tune(): the cache is written once at its end
+
+    # ---- the product --------------------------------------------------------------------------------
+    def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether x @ w^T goes through this object's choice (else it is plain cuBLAS)."""
+        return self.ok and ops.gemv_takes(x, w)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self.takes(x, w):
+            return F.linear(x, w)
+        choice = self.choice(x.shape[0], w)
+        return F.linear(x, w) if choice == "cublas" else ops.gemv(x, w, choice)
+
+    def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
+        """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured
+        ("auto"; inside a graph capture the default launch, measured at the next eager use)."""
+        b = bucket_index(m)
+        n, k = w.shape
+        key = (n, k, b)
+        found = self.choices.get(key)
+        if found is not None:
+            return found
+        top = ROW_BUCKETS[b][1]
+        if self.mode == "cupy" or torch.cuda.is_current_stream_capturing():
+            found = ops.gemv_default(top, n, k, self.dtype, self.device)
+            if self.mode == "auto":
+                return found
+        else:
+            found = self._tuned(b, n, k, same_shape or [w])
+        self.choices[key] = found
+        return found
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The choices made so far, by "NxK bucket" (what Engine.info and the run stats show)."""
+        return {f"{n}x{k} {bucket_label(b)}": c for (n, k, b), c in sorted(self.choices.items())}
+
+    # ---- auto: measuring --------------------------------------------------------------------------------
+    def tune(self, shapes: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+        """Choose for every weight shape (with the model's tensors of that shape) and row bucket: mode "cupy"
+        its default launches, mode "auto" from the cache or by measuring (then the cache is written)."""
+        if not self.ok:
+            return
+        self._tuning = True
+        try:
+            for weights in shapes.values():
+                for _, hi in ROW_BUCKETS:
+                    x = torch.empty((hi, weights[0].shape[1]), dtype=self.dtype, device=self.device)
+                    if self.takes(x, weights[0]):
+                        self.choice(hi, weights[0], weights)
+        finally:
+            self._tuning = False
+            if self.cache is not None:
+                self.cache.save()
+
+    def _tuned(self, b: int, n: int, k: int, weights: list[torch.Tensor]) -> str:
+        key = cache_key(self.gpu, self.dtype, n, k, bucket_label(b), self.version)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        try:
+            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: cuBLAS
+            warnings.warn(
+                f"gemm auto: measuring {n}x{k} {bucket_label(b)} failed ({type(exc).__name__}: {exc}); "
+                "using cuBLAS for it",
+                stacklevel=2,
+            )
+            return "cublas"
+        self.measured += 1
+        self.timings[(n, k, b)] = times
+        self.cache.put(key, choice, times)
+        if not self._tuning:
+            self.cache.save()  # a shape met after the load is written at once
+        return choice
+
+    def _weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Distinct tensors to cycle through: the model's, plus clones until they pass ~3 x L2 (at most
+        _TUNE_CLONE_BYTES of clones), so a timing reads memory rather than L2."""
+        ws = list(weights[:_TUNE_MAX_WEIGHTS])
+        l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20) or (64 << 20)
+        each = ws[0].numel() * ws[0].element_size()
+        cloned = 0
+        while len(ws) < _TUNE_MAX_WEIGHTS and each * len(ws) < 3 * l2 and cloned + each <= _TUNE_CLONE_BYTES:
+            try:
+                ws.append(ws[0].clone())
+            except torch.OutOfMemoryError:
+                break
+            cloned += each
+        return ws
+
+    def _measure(self, m: int, n: int, k: int, weights: list[torch.Tensor]) -> tuple[str, dict[str, float]]:
+        """(fastest candidate, us per call of each) for [m, k] x [n, k]^T."""
+        ws = self._weights(weights)
+        each = ws[0].numel() * ws[0].element_size()
+        count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
+        calls = [ws[i % len(ws)] for i in range(count)]
+        g = torch.Generator(device=self.device).manual_seed(n * 7919 + k * 31 + m)
+        x = torch.randn((m, k), device=self.device, generator=g).to(self.dtype)
+        expect = F.linear(x, ws[0]).float()
+        scale = float(expect.abs().max()) or 1.0
+        tol = 1e-3 if self.dtype == torch.float32 else 3e-2
+        times: dict[str, float] = {}
+        for candidate in ["cublas", *ops.gemv_variants(m, n, k, self.dtype, self.device)]:
+            if candidate == "cublas":
+
+                def product(w, x=x):
+                    return F.linear(x, w)
+            else:
+
+                def product(w, x=x, c=candidate):
+                    return ops.gemv(x, w, c)
+
+                err = float((product(ws[0]).float() - expect).abs().max())
+                if not err <= tol * scale:
+                    warnings.warn(
+                        f"gemm auto: gemv variant {candidate} disagrees with cuBLAS on {m}x{k} @ {n}x{k} "
+                        f"(max error {err:.3g} of {scale:.3g}); it is not used",
+                        stacklevel=3,
+                    )
+                    continue
+            times[candidate] = _graph_seconds(lambda p=product: [p(w) for w in calls], self.device) / len(calls) * 1e6
+        best = min(times, key=times.get)
+        return best, {c: round(t, 3) for c, t in times.items()}
+
+
+def _graph_seconds(run, device: torch.device) -> float:
+    """Seconds of one replay of `run()` captured as a CUDA graph (the fastest of _TUNE_REPLAYS), on a side
+    stream: device time only, no host launch cost (what the engine's captured plans pay)."""
+    main = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(main)
+    best = math.inf
+    with torch.cuda.stream(stream):
+        run()  # eager first: every kernel loaded, cuBLAS's workspace made for this stream
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            run()
+        finally:
+            graph.capture_end()
+        graph.replay()
+        for _ in range(_TUNE_REPLAYS):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            graph.replay()
+            b.record(stream)
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+    main.wait_stream(stream)
+    del graph
+    return best
+
+
+def gemv_products(mode: str, device: torch.device, dtype: torch.dtype, cache_dir=None) -> GemvProducts:
+    """The products of gemm mode "cupy" or "auto" (the cache file of "auto" in `cache_dir`, None: the default
+    folder, see engine/gemm_cache.py)."""
+    return GemvProducts(mode, device, dtype, cache_file(cache_dir) if mode == "auto" else None)
+
+
+__all__ = ["GEMM_MODES", "ROW_BUCKETS", "GemvProducts", "TuneCache", "autotuned_linear", "check_mode", "gemv_products"]

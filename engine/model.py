@@ -2,7 +2,8 @@
 
 Reads like the architecture (see shared notes 01): embeddings; per layer x += mixer(norm(x)),
 x += mlp(norm(x)); final norm; LM head. Custom ops come from `kernels` (a CUDA kernel on the GPU,
-the PyTorch reference elsewhere); GEMMs are plain PyTorch.
+the PyTorch reference elsewhere); GEMMs are PyTorch's, or with gemm "cupy"/"auto" the gemv kernels for
+decode-sized products (engine/gemm.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from kernels import ops
 
 from .config import ModelConfig
-from .gemm import autotuned_linear, check_mode
+from .gemm import GemvProducts, autotuned_linear, check_mode, gemv_products
 from .parallel import Group, vocab_slice
 from .state import SessionState
 
@@ -58,6 +59,7 @@ class Model:
         self.device_names = device_names or [str(self.device)]
         self.gemm = "cublas"
         self._one_token_linear = None
+        self._gemv: GemvProducts | None = None  # gemm modes "cupy" and "auto" (engine/gemm.py)
         # Several ranks, on rank 0: called while it waits for a round, raises when a worker is lost.
         self.watch: Callable[[], None] | None = None
         # The output layer. One device: the whole head. Several ranks: a vocabulary slice each, and the
@@ -108,18 +110,51 @@ class Model:
                 parts = [w.pop(p + n) for n in ("gate_proj.weight", "up_proj.weight")]
                 w[p + "gate_up_packed"] = torch.cat(parts).contiguous()
 
-    def set_gemm(self, mode: str) -> None:
-        """The GEMM backend of one-token products: "cublas" or "autotune" (see engine/gemm.py)."""
+    def set_gemm(self, mode: str, cache_dir=None) -> None:
+        """The GEMM backend of decode-sized products: "cublas", "autotune", "cupy" or "auto" (engine/gemm.py).
+        "auto" chooses per weight shape and row bucket now (from the autotune cache in `cache_dir`, None: the
+        default folder, or by measuring)."""
         check_mode(mode, self.device)
         self._one_token_linear = autotuned_linear() if mode == "autotune" else None
+        self._gemv = gemv_products(mode, self.device, self.dtype, cache_dir) if mode in ("cupy", "auto") else None
         self.gemm = mode
+        if self._gemv is not None:
+            self._gemv.tune(self.product_weights())
+
+    @property
+    def gemm_choices(self) -> dict[str, str]:
+        """gemm modes "cupy"/"auto": the product chosen per weight shape and row bucket so far ({} otherwise)."""
+        return self._gemv.labels if self._gemv is not None else {}
+
+    @property
+    def gemm_notice(self) -> str:
+        """One line when the gemm mode could not do what it was asked (kernels unavailable, cache rebuilt)."""
+        return self._gemv.notice if self._gemv is not None else ""
+
+    def product_weights(self) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """The weights of the model's products, by shape [N, K] (the LM head and its gathered rows included)."""
+        ends = ("qkv_packed", "in_proj_packed", "gate_up_packed", "o_proj.weight", "out_proj.weight")
+        ends += ("down_proj.weight", "mtp.fc.weight")
+        found = [t for name, t in self.w.items() if name.endswith(ends) and t.dim() == 2]
+        found += [t for t in (self.head, self.head_slice, self.remap_head, self.remap_local_head) if t is not None]
+        shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for t in found:
+            shapes.setdefault((t.shape[0], t.shape[1]), []).append(t)
+        return shapes
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T: one-token products through the chosen backend, everything else cuBLAS."""
+        """x @ weight^T: decode-sized products through the chosen backend, everything else cuBLAS."""
+        if self._gemv is not None:
+            return self._gemv(x, weight)
         fn = self._one_token_linear
         if fn is not None and x.dim() == 2 and x.shape[0] == 1:
             return fn(x, weight)
         return F.linear(x, weight)
+
+    def _head_product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """An LM-head product (the whole head, a slice of it, the gathered sub-vocab rows): the gemv modes'
+        choice, else cuBLAS ("autotune" compiles only the layers' one-token products)."""
+        return self._gemv(x, weight) if self._gemv is not None else F.linear(x, weight)
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection: this rank's partial product, summed over the ranks. Where the sum
@@ -130,7 +165,10 @@ class Model:
         out = g.symmetric_out(x.shape[0], weight.shape[0], x.dtype)
         if out is None or (self._one_token_linear is not None and x.shape[0] == 1):
             return g.all_reduce(self.linear(x, weight))
-        torch.mm(x, weight.t(), out=out)
+        if self._gemv is not None and self._gemv.takes(x, weight):
+            out.copy_(self._gemv(x, weight))
+        else:
+            torch.mm(x, weight.t(), out=out)
         return g.reduce_symmetric(out)
 
     # ---- layers -----------------------------------------------------------------------------
@@ -230,7 +268,7 @@ class Model:
             return ops.argmax_prob(self.lm_head(hidden, n), n)
         limit = n if n > 0 else self.cfg.vocab_size
         hi = min(self.vocab_hi, limit)
-        local = F.linear(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
+        local = self._head_product(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
         return self._distributed_argmax(hidden.shape[0], local, self.vocab_lo)
 
     def _distributed_argmax(
@@ -273,7 +311,7 @@ class Model:
             tok, prob = ops.argmax_prob(self.draft_logits(hidden, n), 0)
             return ids.index_select(0, tok), prob
         c = bisect.bisect_left(self._remap_pos, n)  # this rank's rows among the first n of the order
-        local = F.linear(hidden, self.remap_local_head[:c]) if c else None
+        local = self._head_product(hidden, self.remap_local_head[:c]) if c else None
         return self._distributed_argmax(hidden.shape[0], local, self.remap_local_ids[:c])
 
     def draft_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
@@ -283,7 +321,7 @@ class Model:
         if ids is None:
             return self.lm_head(hidden, n)
         if self.remap_head is not None:
-            return F.linear(hidden, self.remap_head[:n])
+            return self._head_product(hidden, self.remap_head[:n])
         return self.lm_head(hidden).index_select(1, ids)
 
     @property
@@ -384,9 +422,9 @@ class Model:
         """Logits over the first `rows` vocabulary ids (0 = all): the sub-vocab head is a view. Vocab-parallel
         without a mirror: every rank's slice gathered (the whole row crosses between the GPUs)."""
         if self.head is not None:
-            return F.linear(hidden, self.head[:rows] if rows else self.head)
+            return self._head_product(hidden, self.head[:rows] if rows else self.head)
         per = -(-self.cfg.vocab_size // self.group.world)
-        local = F.linear(hidden, self.head_slice)
+        local = self._head_product(hidden, self.head_slice)
         if local.shape[-1] < per:
             local = F.pad(local, (0, per - local.shape[-1]))
         every = self.group.all_gather(local)  # [W, T, per]

@@ -1010,6 +1010,241 @@ def sampling_kernels() -> tuple[bool, str]:
     return False, _sampling_failed[dev.index]
 
 
+# ---- gemv: skinny GEMMs of decode shapes (a module of its own: cuda_src/gemv_kernels.cu) ------------------
+# One module per (device, dtype). A module that does not compile or load is reported once (a warning) and
+# `gemv` takes its reference (the engine's gemm modes check `gemv_kernels` and stay on cuBLAS instead).
+_GEMV_SRC = Path(__file__).resolve().parent / "cuda_src" / "gemv_kernels.cu"
+_GEMV_SIMT_ROWS = (1, 4, 8, 17)  # the row buckets of the CUDA-core kernels (MB: accumulators per column)
+_GEMV_SIMT = tuple(f"gemv_simt_m{mb}_c{c}" for mb in _GEMV_SIMT_ROWS for c in (1, 2))
+_GEMV_TC = tuple(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2))
+_GEMV_STEP = 64  # K elements of one tensor-core step; every K split is a multiple of it
+_GEMV_WARPS_PER_SM = 12  # warps the default launch aims for (a memory stream needs many loads in flight)
+_ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_gemv_text: str | None = None
+_gemv_modules: dict[tuple[int, int], object] = {}
+_gemv_fns: dict[tuple[int, int, str], object] = {}
+_gemv_failed: dict[tuple[int, int], str] = {}  # (device, kind) -> why its module did not compile or load
+_gemv_ready: set[tuple[int, int]] = set()  # (device, kind) whose kernels are all loaded
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def _gemv_source() -> str:
+    global _gemv_text
+    if _gemv_text is None:
+        _gemv_text = _GEMV_SRC.read_text()
+    return _gemv_text
+
+
+def gemv_version() -> str:
+    """A short hash of the gemv kernels' source (part of an autotune cache key: new kernels, new timings)."""
+    import hashlib
+
+    return hashlib.sha256(_gemv_source().encode()).hexdigest()[:12]
+
+
+def _gemv_function(dev: int, kind: int, name: str):
+    key = (dev, kind, name)
+    fn = _gemv_fns.get(key)
+    if fn is None:
+        with _lock:
+            fn = _gemv_fns.get(key)
+            if fn is None:
+                with _cp.cuda.Device(dev):
+                    mod = _gemv_modules.get((dev, kind))
+                    if mod is None:
+                        mod = _cp.RawModule(code=f"#define SCALAR_KIND {kind}\n" + _gemv_source(), options=_OPTIONS)
+                        mod.compile()
+                        _gemv_modules[(dev, kind)] = mod
+                    fn = mod.get_function(name).kernel
+                _gemv_fns[key] = fn
+    return fn
+
+
+def _dev_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _tensor_cores(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the tensor-core kernels serve `dtype` here (bf16/fp16 mma.sync m16n8k16: sm_80 and later)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    dev = _dev_index(device)
+    cc = _capability.get(dev)
+    if cc is None:
+        cc = torch.cuda.get_device_capability(dev)
+        _capability[dev] = cc
+    return cc >= (8, 0)
+
+
+def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
+    return (*_GEMV_SIMT, "gemv_combine", *(_GEMV_TC if _tensor_cores(dtype, device) else ()))
+
+
+def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[bool, str]:
+    """(True, note) when the gemv kernels run for `dtype` on `device`, compiling and loading their module the
+    first time (call it outside a graph capture); else (False, a one-line reason), reported once as a warning."""
+    if _cp is None:
+        return False, _CUPY_ERROR or "CuPy is not installed"
+    if dtype not in _KIND:
+        return False, f"no gemv kernels for {dtype}"
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda":
+        return False, f"{device} is not a CUDA device"
+    dev, kind = _dev_index(device), _KIND[dtype]
+    if (dev, kind) in _gemv_failed:
+        return False, _gemv_failed[(dev, kind)]
+    if (dev, kind) not in _gemv_ready:
+        try:
+            for name in _gemv_names(dtype, device):
+                _gemv_function(dev, kind, name)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not these kernels"
+            text = str(exc).strip()
+            _gemv_failed[(dev, kind)] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            warnings.warn(f"SpecDeck gemv kernels unavailable ({_gemv_failed[(dev, kind)]})", stacklevel=2)
+            return False, _gemv_failed[(dev, kind)]
+        _gemv_ready.add((dev, kind))
+    family = "tensor-core and CUDA-core" if _tensor_cores(dtype, device) else "CUDA-core"
+    return True, f"{family} gemv kernels loaded"
+
+
+def _gemv_vec_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """16-byte vectors fit: aligned pointers and row strides, K a whole number of vectors."""
+    es = x.element_size()
+    k = x.shape[1]
+    return (
+        k % (16 // es) == 0
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and (x.shape[0] == 1 or x.stride(0) * es % 16 == 0)
+        and (w.shape[0] == 1 or w.stride(0) * es % 16 == 0)
+    )
+
+
+def gemv_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the gemv kernel covers x @ w^T (the shape, dtype and layout; not whether its module loaded):
+    CUDA tensors of one dtype (fp32, bf16, fp16), x [M, K] with 1 <= M <= 17 and unit column stride (any row
+    stride), w [N, K] with unit column stride."""
+    return (
+        _cp is not None
+        and x.is_cuda
+        and w.is_cuda
+        and x.device == w.device
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and x.dtype in _KIND
+        and 1 <= x.shape[0] <= registry.GEMV_MAX_ROWS
+        and x.shape[1] == w.shape[1]
+        and 0 < x.shape[1] < 2**31 - _GEMV_STEP
+        and w.shape[0] > 0
+        and x.shape[0] * w.shape[0] < 2**31
+        and (x.stride(1) == 1 or x.shape[1] == 1)
+        and (w.stride(1) == 1 or w.shape[1] == 1)
+    )
+
+
+def _gemv_bucket_rows(m: int) -> int:
+    return next(b for b in _GEMV_SIMT_ROWS if m <= b)
+
+
+def _gemv_splits(k: int, splits: int) -> tuple[int, int]:
+    """(kchunk, effective splits): K cut into `splits` ranges of a whole number of 64-element steps."""
+    chunk = -(-k // max(1, splits))
+    chunk = -(-chunk // _GEMV_STEP) * _GEMV_STEP
+    return chunk, -(-k // chunk)
+
+
+def gemv_default(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, vec_ok: bool = True) -> str:
+    """The launch variant `gemv` uses when none is named: tensor cores for bf16/fp16 on sm_80+ (aligned), else
+    CUDA cores (2 columns a warp up to 4 rows, 1 beyond); 4 or 8 warps a block and K splits only where the
+    output is too narrow to give every SM about _GEMV_WARPS_PER_SM warps."""
+    want = _GEMV_WARPS_PER_SM * _sms(device)
+    if vec_ok and _tensor_cores(dtype, device):
+        tiles = -(-n // 16)
+        warps = 4 if tiles * 4 >= want else 8
+        have, family, per_warp_k = tiles * warps, "tc1", warps * 2 * _GEMV_STEP
+    else:
+        # splits from N and K only (not from the columns a warp takes): every row count sums a column alike
+        warps, family = 4, f"simt{2 if m <= 4 else 1}"
+        have, per_warp_k = -(-n // 2), 32 * 4 * (16 // _ELEMENT_SIZE[dtype])
+    splits = 1
+    if have < want:
+        splits = max(1, min(-(-want // have), k // per_warp_k, registry.GEMV_MAX_SPLITS))
+    return f"{family}.w{warps}.s{_gemv_splits(k, splits)[1]}"
+
+
+def gemv_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """The launch variants worth timing for an [m, k] x [n, k] product (the autotune's candidates; the default
+    first), each distinct in what it launches (splits past what K allows are dropped)."""
+    out = [gemv_default(m, n, k, dtype, device)]
+    grid = []
+    if _tensor_cores(dtype, device):
+        grid += [("tc1", w, s) for w in (4, 8) for s in (1, 2, 4)]
+        grid += [("tc2", w, s) for w in (4, 8) for s in (1, 2)]
+    if m <= 4 or not _tensor_cores(dtype, device):
+        grid += [("simt2", 4, s) for s in (1, 2)] + [("simt1", 4, 1), ("simt1", 8, 1)]
+    for family, warps, splits in grid:
+        name = f"{family}.w{warps}.s{_gemv_splits(k, splits)[1]}"
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0]:
+        return _fallback("gemv", x)(x, w, variant)
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    vec_ok = _gemv_vec_ok(x, w)
+    parsed = registry.parse_gemv_variant(variant) if variant is not None else None
+    if variant is not None and parsed is None:
+        raise ValueError(f"unknown gemv variant {variant!r}")
+    if parsed is None or (parsed[0].startswith("tc") and not (vec_ok and _tensor_cores(x.dtype, x.device))):
+        parsed = registry.parse_gemv_variant(gemv_default(m, n, k, x.dtype, x.device, vec_ok))
+    family, warps, splits = parsed
+    kchunk, splits = _gemv_splits(k, splits)
+    if family.startswith("tc"):
+        ct, mt = int(family[2]), -(-m // 8)
+        name, grid = f"gemv_tc_t{mt}_c{ct}", (-(-n // (16 * ct)), splits)
+        smem = warps * 16 * ct * 8 * mt * 4
+    else:
+        c = int(family[4])
+        name, grid = f"gemv_simt_m{_gemv_bucket_rows(m)}_c{c}", (-(-n // (warps * c)), splits)
+        smem = 0
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    args = la.GemvArgs(
+        x=x,
+        xs=x.stride(0),
+        w=w,
+        wsr=w.stride(0),
+        out=out,
+        part=part,
+        M=m,
+        N=n,
+        K=k,
+        kchunk=kchunk,
+        vec_ok=int(vec_ok),
+    )
+    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem)
+    if part is not None:
+        combine = la.GemvCombineArgs(part=part, out=out, S=splits, MN=m * n)
+        _launch_gemv("gemv_combine", x.dtype, x.device, (-(-(m * n) // 256),), (256,), combine)
+    return out
+
+
+def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
+    args = la.pack(name, args)
+    dev = _dev_index(device)
+    fn = _gemv_function(dev, _KIND[dtype], name)
+    stream = _stream(device)
+    if _cp.cuda.runtime.getDevice() != dev:
+        with _cp.cuda.Device(dev):
+            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+    else:
+        fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+
+
 # ---- warm-up ------------------------------------------------------------------------------------------
 _KERNELS_PER_DTYPE = (
     [
@@ -1050,6 +1285,7 @@ def warm_up(device: torch.device | str | int, dtype: torch.dtype) -> None:
     for name in _KERNELS_PER_DTYPE:
         _function(dev, kind, name)
     _sampling_ready(device)  # compiled and loaded here, or reported once and left to the references
+    gemv_kernels(device, dtype)  # the same: a failure leaves the products to cuBLAS / the reference
     _sms(device)
     with torch.cuda.device(device):
         _exercise(device, dtype)
@@ -1110,3 +1346,10 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
     spec_accept(tok[:1], prob[:1], probs[:1], probs, 0.0, seed, start, z(1, dtype=torch.int64, device=device), out[:4])
     rates = torch.full((2,), 0.5, device=device)
     synthetic_accept(tok[:1], prob[:1], tok, 0.0, rates, seed, start, z(1, dtype=torch.int64, device=device), out[:4])
+    if gemv_kernels(device, dtype)[0]:
+        wg = torch.randn(40, 1024, **kw)
+        for m in (1, 4, 8, 17):
+            xg = torch.randn(m, 1024, **kw)
+            for variant in gemv_variants(m, 40, 1024, dtype, device):
+                gemv(xg, wg, variant)
+            gemv(xg[:, 1:], wg[:, 1:])  # unaligned: the scalar loads

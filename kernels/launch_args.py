@@ -175,6 +175,19 @@ GreedyAcceptArgs = builder(
     "greedy_accept",
 )
 
+# ---- gemv_kernels.cu ----------------------------------------------------------------------------------
+GemvArgs = builder(
+    "GemvArgs",
+    "ptr x, i64 xs, ptr w, i64 wsr, ptr out, ptr part, i32 M, i32 N, i32 K, i32 kchunk, i32 vec_ok",
+    *(f"gemv_simt_m{mb}_c{c}" for mb in (1, 4, 8, 17) for c in (1, 2)),
+    *(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2)),
+)
+GemvCombineArgs = builder(
+    "GemvCombineArgs",
+    "ptr part, ptr out, i32 S, i32 MN",
+    "gemv_combine",
+)
+
 # ---- sampling_kernels.cu -----------------------------------------------------------------------------
 SampleProbsArgs = builder(
     "SampleProbsArgs",

@@ -23,6 +23,7 @@ sample_probs = reference.sample_probs
 sample_token = reference.sample_token
 spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
+gemv = reference.gemv
 
 _cuda_enabled = False
 
@@ -75,6 +76,51 @@ def _counted(name: str, ref, reason: str):
     op.__name__, op.__doc__ = name, ref.__doc__
     op.reference = ref
     return op
+
+
+# ---- the gemv kernels' launch choices (the engine's gemm modes "cupy" and "auto", engine/gemm.py) ----------
+def gemv_kernels(device, dtype) -> tuple[bool, str]:
+    """(True, note) when `gemv` runs its kernels for `dtype` on `device` (their module compiled and loaded now,
+    outside any graph capture); else (False, why): the CUDA kernels are not bound, or that module failed."""
+    if not _cuda_enabled:
+        return False, "the CUDA kernels are not in use"
+    from . import cuda
+
+    return cuda.gemv_kernels(device, dtype)
+
+
+def gemv_takes(x, w) -> bool:
+    """Whether the gemv kernel covers x @ w^T (shape, dtype, layout) with the CUDA kernels bound."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_takes(x, w)
+
+
+def gemv_variants(m: int, n: int, k: int, dtype, device) -> list[str]:
+    """The gemv launch variants worth timing for [m, k] x [n, k]^T here (the default first)."""
+    from . import cuda
+
+    return cuda.gemv_variants(m, n, k, dtype, device)
+
+
+def gemv_default(m: int, n: int, k: int, dtype, device) -> str:
+    """The variant `gemv` launches for [m, k] x [n, k]^T when none is named (aligned operands)."""
+    from . import cuda
+
+    return cuda.gemv_default(m, n, k, dtype, device)
+
+
+def gemv_version() -> str:
+    """A hash of the gemv kernels' source (new kernels invalidate cached timings)."""
+    from . import cuda
+
+    return cuda.gemv_version()
+
+
+GEMV_MAX_ROWS = registry.GEMV_MAX_ROWS
+parse_gemv_variant = registry.parse_gemv_variant
 
 
 def fallbacks() -> dict[str, int]:

@@ -508,3 +508,23 @@ def synthetic_accept(
     out[0:1].copy_(k + 1)
     out[1:2].copy_(n_valid)
     cache_len.reshape(-1)[:1].add_(k + 1)
+
+
+# Weight elements converted to fp32 at a time by `gemv` (64 MiB): a 248k-row LM head is never copied whole.
+_GEMV_CHUNK = 1 << 24
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T (F.linear without bias), accumulated in fp32 and rounded once to x's dtype: the
+    ground truth of the skinny-GEMM kernels of decode shapes. `variant` names a kernel's launch shape (see
+    kernels/registry.py) and means nothing here."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.linear(x, w)
+    xf = x.float()
+    rows = max(1, _GEMV_CHUNK // max(1, w.shape[-1]))
+    if w.shape[0] <= rows:
+        return F.linear(xf, w.float()).to(x.dtype)
+    out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype, device=x.device)
+    for a in range(0, w.shape[0], rows):
+        out[..., a : a + rows] = F.linear(xf, w[a : a + rows].float())
+    return out

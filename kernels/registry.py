@@ -13,6 +13,7 @@ delta rule of prefill, and prefill-sized attention with a host-side start (the r
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -33,7 +34,31 @@ NAMES = (
     "sample_token",
     "spec_accept",
     "synthetic_accept",
+    "gemv",
 )
+
+# The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch
+# variant is named "<family>.w<warps>.s<K splits>" (families: simt1, simt2 on CUDA cores, C output columns a
+# warp; tc1, tc2 on tensor cores, 16 C columns a warp), e.g. "tc1.w8.s2" (kernels/cuda.py, gemv_kernels.cu).
+GEMV_MAX_ROWS = 17
+GEMV_FAMILIES = ("simt1", "simt2", "tc1", "tc2")
+GEMV_MAX_WARPS = 8
+GEMV_MAX_SPLITS = 64
+_GEMV_VARIANT = re.compile(r"(simt1|simt2|tc1|tc2)\.w([1-8])\.s([1-9][0-9]?)")
+
+
+def parse_gemv_variant(name: object) -> tuple[str, int, int] | None:
+    """(family, warps per block, K splits) of a gemv variant name, or None when it is not one."""
+    if not isinstance(name, str) or len(name) > 16:
+        return None
+    m = _GEMV_VARIANT.fullmatch(name)
+    if m is None:
+        return None
+    warps, splits = int(m.group(2)), int(m.group(3))
+    if warps not in (1, 2, 4, 8) or splits > GEMV_MAX_SPLITS:
+        return None
+    return m.group(1), warps, splits
+
 
 # Ops that are the reference on every device, by design (not fallbacks).
 REFERENCE_ONLY = frozenset({"chunk_gated_delta_rule"})

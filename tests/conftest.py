@@ -3,7 +3,8 @@ a test session that never touches the user's own settings.
 
 Before anything imports the app or app.profiles, every place SpecDeck (and Qt) keeps settings
 is pointed into a temp dir for the whole session: SPECDECK_CONFIG_DIR, XDG_CONFIG_HOME (platformdirs
-and Qt's native settings on Linux) and QSettings' paths. An audit hook records any file this
+and Qt's native settings on Linux) and QSettings' paths; the gemm autotune cache too (SPECDECK_CACHE_DIR,
+XDG_CACHE_HOME). An audit hook records any file this
 process writes, renames or creates under the user's real config dir; the session fails if there
 is one (see pytest_sessionfinish).
 """
@@ -35,6 +36,9 @@ REAL_CONFIG_DIR = _real_config_dir()  # resolved before the environment below ch
 TEST_ROOT = Path(tempfile.mkdtemp(prefix="specdeck-tests-")).resolve()
 os.environ["SPECDECK_CONFIG_DIR"] = str(TEST_ROOT / "config")
 os.environ["XDG_CONFIG_HOME"] = str(TEST_ROOT / "xdg-config")
+# the gemm autotune cache (engine/gemm_cache.py) too: GPU tests of gemm="auto" never write the user's cache
+os.environ["SPECDECK_CACHE_DIR"] = str(TEST_ROOT / "cache")
+os.environ["XDG_CACHE_HOME"] = str(TEST_ROOT / "xdg-cache")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

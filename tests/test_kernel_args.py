@@ -63,6 +63,7 @@ def test_the_parser_sees_every_kernel_family():
     assert len(SIGS) >= 40
     assert {"rmsnorm_ws", "gated_rmsnorm_wf_gs", "attn_tile_e8", "conv_update_k8_wf", "gdr_dk128_bf"} <= set(SIGS)
     assert {"sample_probs_rows", "sample_token_rows", "spec_accept_k"} <= set(SIGS)
+    assert {"gemv_simt_m1_c1", "gemv_simt_m17_c2", "gemv_tc_t1_c1", "gemv_tc_t3_c2", "gemv_combine"} <= set(SIGS)
 
 
 def test_every_kernel_has_a_builder_and_every_builder_a_kernel():
@@ -80,6 +81,7 @@ def test_the_cuda_module_launches_only_described_kernels():
 
     assert set(kc._KERNELS_PER_DTYPE) <= set(la.BUILDERS)
     assert set(kc._SAMPLING_KERNELS) <= set(la.BUILDERS)
+    assert {*kc._GEMV_SIMT, *kc._GEMV_TC, "gemv_combine"} <= set(la.BUILDERS)
 
 
 def test_pack_orders_converts_and_refuses_a_foreign_kernel():

@@ -1,0 +1,152 @@
+"""The bookkeeping of gemm modes "cupy" and "auto" (engine/gemm.py GemvProducts) on the CPU, with the kernel
+side and the device measurement faked: what is measured, when, what is cached and reused, what a graph capture
+gets, and which product each call runs. The real kernels and timings: tests/test_gemv_engine_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import gemm
+from engine.gemm import GemvProducts
+from kernels import ops
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Kernels that 'load', a device called Fake GPU, measurements that pick tc1.w8.s1 for N > 64 else cuBLAS."""
+    calls = {"gemv": [], "measure": [], "capturing": False}
+    monkeypatch.setattr(ops, "gemv_kernels", lambda device, dtype: (True, "fake"))
+    monkeypatch.setattr(ops, "gemv_version", lambda: "abcdef012345")
+    monkeypatch.setattr(ops, "gemv_takes", lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 17)
+    monkeypatch.setattr(ops, "gemv_default", lambda m, n, k, dtype, device: "simt2.w4.s1" if m <= 4 else "simt1.w4.s1")
+
+    def fake_gemv(x, w, variant=None):
+        calls["gemv"].append(variant)
+        return F.linear(x, w)
+
+    monkeypatch.setattr(ops, "gemv", fake_gemv)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: calls["capturing"])
+
+    def measure(self, m, n, k, weights):
+        calls["measure"].append((m, n, k, len(weights)))
+        best = "tc1.w8.s1" if n > 64 else "cublas"
+        return best, {"cublas": 10.0, "tc1.w8.s1": 5.0 if n > 64 else 20.0}
+
+    monkeypatch.setattr(GemvProducts, "_measure", measure)
+    return calls
+
+
+def products(mode, path=None):
+    return GemvProducts(mode, torch.device("cpu"), torch.float32, path)
+
+
+def test_auto_measures_every_shape_and_bucket_once_and_caches(fake, tmp_path):
+    path = tmp_path / "gemm_tune.json"
+    wide, narrow = torch.randn(128, 32), torch.randn(64, 32)
+    p = products("auto", path)
+    p.tune({(128, 32): [wide, wide.clone()], (64, 32): [narrow]})
+    assert p.measured == 8 and len(fake["measure"]) == 8
+    assert (17, 128, 32, 2) in fake["measure"]  # a bucket is measured at its largest row count, all weights
+    assert p.labels == {
+        **{f"64x32 {b}": "cublas" for b in ("m1", "m2-4", "m5-8", "m9-17")},
+        **{f"128x32 {b}": "tc1.w8.s1" for b in ("m1", "m2-4", "m5-8", "m9-17")},
+    }
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 8 and all(key.startswith("Fake GPU|") for key in entries)
+
+    again = products("auto", path)
+    again.tune({(128, 32): [wide], (64, 32): [narrow]})
+    assert again.measured == 0 and again.labels == p.labels and len(fake["measure"]) == 8
+
+
+def test_each_call_runs_its_choice(fake, tmp_path):
+    p = products("auto", tmp_path / "c.json")
+    wide, narrow = torch.randn(128, 32), torch.randn(64, 32)
+    p.tune({(128, 32): [wide], (64, 32): [narrow]})
+    x = torch.randn(6, 32)
+    assert torch.equal(p(x, wide), F.linear(x, wide)) and fake["gemv"] == ["tc1.w8.s1"]
+    p(x, narrow)  # cuBLAS chosen: no kernel call
+    p(torch.randn(18, 32), wide)  # prefill-sized: cuBLAS, nothing chosen
+    assert fake["gemv"] == ["tc1.w8.s1"]
+    assert p.takes(x, wide) and not p.takes(torch.randn(18, 32), wide)
+
+
+def test_a_shape_met_in_a_capture_gets_the_default_and_is_measured_later(fake, tmp_path):
+    path = tmp_path / "c.json"
+    p = products("auto", path)
+    head_rows = torch.randn(200, 32)  # e.g. a sub-vocab slice of the LM head, first seen inside a capture
+    fake["capturing"] = True
+    p(torch.randn(1, 32), head_rows)
+    assert fake["gemv"] == ["simt2.w4.s1"] and fake["measure"] == [] and p.labels == {}
+    fake["capturing"] = False
+    p(torch.randn(1, 32), head_rows)  # the next eager use measures it and writes the cache at once
+    assert fake["gemv"][-1] == "tc1.w8.s1" and len(fake["measure"]) == 1
+    assert p.labels == {"200x32 m1": "tc1.w8.s1"}
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+def test_another_gpu_measures_again(fake, tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    w = torch.randn(128, 32)
+    products("auto", path).tune({(128, 32): [w]})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Other GPU")
+    other = products("auto", path)
+    other.tune({(128, 32): [w]})
+    assert other.measured == 4
+    keys = json.loads(path.read_text())["entries"]
+    assert sum(k.startswith("Fake GPU|") for k in keys) == 4 and sum(k.startswith("Other GPU|") for k in keys) == 4
+
+
+def test_a_failed_measurement_is_cublas_with_a_warning(fake, tmp_path, monkeypatch):
+    def broken(self, m, n, k, weights):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(GemvProducts, "_measure", broken)
+    p = products("auto", tmp_path / "c.json")
+    with pytest.warns(UserWarning, match="measuring 128x32 m1 failed.*using cuBLAS"):
+        assert p.choice(1, torch.randn(128, 32)) == "cublas"
+
+
+def test_cupy_uses_the_default_launches_and_measures_nothing(fake, tmp_path):
+    p = products("cupy")
+    w = torch.randn(128, 32)
+    p.tune({(128, 32): [w]})
+    assert p.labels == {
+        "128x32 m1": "simt2.w4.s1",
+        "128x32 m2-4": "simt2.w4.s1",
+        "128x32 m5-8": "simt1.w4.s1",
+        "128x32 m9-17": "simt1.w4.s1",
+    }
+    p(torch.randn(3, 32), w)
+    assert fake["measure"] == [] and fake["gemv"] == ["simt2.w4.s1"] and p.cache is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kernels_that_cannot_run_leave_cublas_with_a_notice(fake, monkeypatch, capsys):
+    monkeypatch.setattr(ops, "gemv_kernels", lambda device, dtype: (False, "NVRTC said no"))
+    p = products("auto")
+    assert not p.ok and "NVRTC said no" in p.notice and "cuBLAS" in p.notice
+    assert capsys.readouterr().err.count("specdeck: notice:") == 1
+    w = torch.randn(128, 32)
+    p.tune({(128, 32): [w]})
+    x = torch.randn(2, 32)
+    assert torch.equal(p(x, w), F.linear(x, w)) and fake["gemv"] == [] and p.labels == {}
+
+
+def test_a_corrupt_cache_notice_reaches_the_products(fake, tmp_path, capsys):
+    path = tmp_path / "c.json"
+    path.write_text("nope")
+    p = products("auto", path)
+    assert "rebuilt" in p.notice
+    capsys.readouterr()
+
+
+def test_only_the_gemv_modes_make_products():
+    with pytest.raises(ValueError):
+        GemvProducts("cublas", torch.device("cpu"), torch.float32, None)
+    assert gemm.bucket_index(17) == 3

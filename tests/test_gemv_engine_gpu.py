@@ -1,0 +1,130 @@
+"""gemm modes "cupy" and "auto" (engine/gemm.py) on the GPU: speculation stays lossless (fp32: the speculative
+text is the plain greedy text), the choices are visible in Engine.info and the run stats, captured plans equal
+eager runs, and "auto" measures once per GPU (a second load reads the cache; a corrupt cache is rebuilt).
+
+Marked `gpu`: skipped without CUDA.
+
+    QT_QPA_PLATFORM=offscreen PYTHONPATH=$PWD python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemv_engine_gpu.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from app.workloads import load_workloads
+from engine import Engine, EngineSettings
+from kernels import ops
+
+pytestmark = pytest.mark.gpu
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model_dir):
+    try:
+        from engine import bundled_model_dir
+
+        return bundled_model_dir()
+    except Exception:
+        return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def base(path):
+    return Engine.load(path, device="cuda", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def cupy_engine(path):
+    eng = Engine.load(path, device="cuda", dtype="float32", gemm="cupy")
+    if eng.info["gemm_notice"]:
+        pytest.fail(eng.info["gemm_notice"])
+    return eng
+
+
+def _valid(choices: dict[str, str]) -> bool:
+    return bool(choices) and all(c == "cublas" or ops.parse_gemv_variant(c) for c in choices.values())
+
+
+def test_cupy_speculative_output_is_the_greedy_output_fp32(base, cupy_engine):
+    target = EngineSettings(speculative=False, plan_pool=8)
+    for w in load_workloads().values():
+        prompt = w.prompt_for(cupy_engine.tokenizer)
+        ref = cupy_engine.generate(prompt, N_NEW, target, cupy_engine.new_session()).tokens
+        assert base.generate(prompt, N_NEW, target, base.new_session()).tokens == ref, w.name
+        for depth, chain in itertools.product((1, 3, 5, 8, 16), (True, False)):
+            settings = EngineSettings(draft_depth=depth, chain=chain, plan_pool=8)
+            out = cupy_engine.generate(prompt, N_NEW, settings, cupy_engine.new_session())
+            assert out.tokens == ref, (w.name, depth, chain)
+    eager = cupy_engine.generate("def f(x):", 24, EngineSettings(speculative=False, plan_pool=0))
+    assert eager.tokens == cupy_engine.generate("def f(x):", 24, target).tokens
+
+
+def test_cupy_choices_are_visible_and_nothing_fell_back(cupy_engine):
+    before = ops.fallbacks().get("gemv", 0)
+    out = cupy_engine.generate("def main():", 16, EngineSettings(draft_depth=4, plan_pool=8))
+    choices = out.stats["gemm_choices"]
+    assert _valid(choices) and choices == cupy_engine.info["gemm_choices"]
+    assert all(c != "cublas" for c in choices.values())  # mode cupy: every 1..17-row product is a kernel
+    h = cupy_engine.cfg.hidden_size
+    assert any(label.startswith(f"{cupy_engine.cfg.vocab_size}x{h} ") for label in choices)  # the LM head
+    assert ops.fallbacks().get("gemv", 0) == before
+
+
+def test_cupy_bf16_runs_and_stays_close_to_cublas(path):
+    """bf16: the tensor-core kernels in the whole decode; speculation against the same engine's target-only
+    text (bf16 may differ from cuBLAS's text at near-ties, so only the first tokens are compared to it)."""
+    eng = Engine.load(path, device="cuda", dtype="bfloat16", gemm="cupy")
+    ref = Engine.load(path, device="cuda", dtype="bfloat16")
+    prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
+    target = EngineSettings(speculative=False, plan_pool=8)
+    a = eng.generate(prompt, N_NEW, target).tokens
+    b = ref.generate(prompt, N_NEW, target).tokens
+    assert a[:4] == b[:4]
+    assert all(c.startswith(("tc", "simt")) for c in eng.info["gemm_choices"].values())
+
+
+def test_auto_measures_once_caches_and_stays_lossless(path, tmp_path, monkeypatch, base, capsys):
+    monkeypatch.setenv("SPECDECK_CACHE_DIR", str(tmp_path))
+    first = Engine.load(path, device="cuda", dtype="float32", gemm="auto")
+    assert first.info["gemm"] == "auto" and first.info["gemm_notice"] == ""
+    choices = first.info["gemm_choices"]
+    assert _valid(choices)
+    assert first.model._gemv.measured == len(choices) > 0
+    data = json.loads((tmp_path / "gemm_tune.json").read_text())
+    assert len(data["entries"]) == len(choices)
+    assert all(torch.cuda.get_device_name() in key for key in data["entries"])
+
+    second = Engine.load(path, device="cuda", dtype="float32", gemm="auto")
+    assert second.model._gemv.measured == 0 and second.info["gemm_choices"] == choices
+
+    target = EngineSettings(speculative=False, plan_pool=8)
+    for w in load_workloads().values():
+        prompt = w.prompt_for(second.tokenizer)
+        ref = second.generate(prompt, N_NEW, target, second.new_session()).tokens
+        assert base.generate(prompt, N_NEW, target, base.new_session()).tokens == ref, w.name
+        for depth in (2, 5, 9):
+            out = second.generate(prompt, N_NEW, EngineSettings(draft_depth=depth, plan_pool=8), second.new_session())
+            assert out.tokens == ref, (w.name, depth)
+
+    (tmp_path / "gemm_tune.json").write_text("{ not json")
+    capsys.readouterr()
+    third = Engine.load(path, device="cuda", dtype="float32", gemm="auto")
+    assert "rebuilt" in third.info["gemm_notice"]
+    assert "specdeck: notice:" in capsys.readouterr().err
+    assert third.model._gemv.measured == len(choices)
+    assert json.loads((tmp_path / "gemm_tune.json").read_text())["format"] == "specdeck-gemm-tune"
+
+
+def test_auto_sub_vocab_head_slices_are_chosen_at_first_eager_use(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECK_CACHE_DIR", str(tmp_path))
+    eng = Engine.load(path, device="cuda", dtype="float32", gemm="auto")
+    before = set(eng.info["gemm_choices"])
+    n = max(8, eng.cfg.vocab_size // 4)
+    eng.generate("def f(x):", 12, EngineSettings(draft_depth=3, sub_vocab=n, plan_pool=8))
+    added = set(eng.info["gemm_choices"]) - before
+    assert any(label.startswith(f"{n}x") for label in added), added

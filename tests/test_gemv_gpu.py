@@ -1,0 +1,172 @@
+"""The gemv kernels (kernels/cuda_src/gemv_kernels.cu) equal their reference (kernels.reference.gemv: F.linear
+accumulated in fp32, rounded once) for every row count 1..17, small and 9B-like shapes, fp32/bf16/fp16, every
+launch variant the autotune may pick, strided and unaligned operands, and inside a captured CUDA graph.
+
+Marked `gpu` (skipped without CUDA; skipped with the reason when CuPy or the gemv module cannot run).
+Tolerances: tests/test_kernels_gpu.py's `close` (fp32 1e-5 of the scale; bf16 2.5e-2 and >= 90% of the
+elements bit-identical; fp16 3e-3).
+
+    QT_QPA_PLATFORM=offscreen PYTHONPATH=$PWD python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gemv_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_gpu import close
+
+from kernels import reference as ref
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SMALL = [(40, 64), (16, 1024), (37, 136), (250, 520), (8, 64)]  # (N, K): a partial tile, one tile, odd N
+# The 9B-like projections (bench/profile_9b.py SHAPES): qkv|gate, o_proj / out_proj, in_proj, gate|up, down,
+# the MTP fc, and a 32k LM head.
+NINE_B = [(10240, 4096), (4096, 4096), (12352, 4096), (24576, 4096), (4096, 12288), (4096, 8192), (32768, 4096)]
+
+
+@pytest.fixture(scope="module")
+def kc():
+    import kernels.cuda as kc
+
+    ok, why = kc.available()
+    if not ok:
+        pytest.skip(f"CUDA kernels unavailable: {why}")
+    for dtype in DTYPES:
+        ok, why = kc.gemv_kernels(CUDA, dtype)
+        if not ok:
+            pytest.fail(f"the gemv module does not load for {dtype}: {why}")
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield kc
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+_weights: dict[tuple, torch.Tensor] = {}
+
+
+def weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """One random weight per shape and dtype, scaled like a trained projection (1/sqrt(K))."""
+    key = (n, k, dtype)
+    if key not in _weights:
+        if len(_weights) > 4:  # keep the 9B-like ones from piling up
+            _weights.clear()
+            torch.cuda.empty_cache()
+        g = torch.Generator(device=CUDA).manual_seed(n * 31 + k)
+        _weights[key] = (torch.randn(n, k, device=CUDA, generator=g) * k**-0.5).to(dtype)
+    return _weights[key]
+
+
+def rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return torch.randn(m, k, device=CUDA, generator=g).to(dtype)
+
+
+def every_variant(kc, m: int, n: int, k: int, dtype: torch.dtype) -> list[str | None]:
+    return [None, *kc.gemv_variants(m, n, k, dtype, CUDA)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SMALL)
+def test_small_shapes_every_row_count_and_variant(kc, dtype, n, k):
+    w = weight(n, k, dtype)
+    for m in range(1, 18):
+        x = rows(m, k, dtype, seed=m)
+        expect = ref.gemv(x, w)
+        for variant in every_variant(kc, m, n, k, dtype):
+            close(kc.gemv(x, w, variant), expect, f"{m}x{k} @ {n}x{k} {dtype} {variant}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", NINE_B)
+def test_nine_b_shapes(kc, dtype, n, k):
+    w = weight(n, k, dtype)
+    for m in (1, 2, 4, 6, 8, 9, 16, 17):
+        x = rows(m, k, dtype, seed=m)
+        expect = ref.gemv(x, w)
+        variants = every_variant(kc, m, n, k, dtype) if m in (1, 6, 17) else [None]
+        for variant in variants:
+            close(kc.gemv(x, w, variant), expect, f"{m}x{k} @ {n}x{k} {dtype} {variant}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views_and_unaligned_operands(kc, dtype):
+    """Row strides past K (a slice of a wider tensor), a row-sliced weight (the sub-vocab head), an x or W that
+    starts one element off 16 bytes, and a K that is not a whole number of 16-byte vectors (scalar loads; a
+    tensor-core variant asked for there runs the CUDA-core default)."""
+    n, k = 300, 256
+    wide_w = weight(n, k + 24, dtype)
+    for m in (1, 3, 8, 17):
+        wide_x = rows(m, k + 8, dtype, seed=100 + m)
+        cases = {
+            "x row stride": (wide_x[:, :k], weight(n, k, dtype)),
+            "w row stride": (wide_x[:, 8 : 8 + k], wide_w[:, :k]),
+            "w row slice": (wide_x[:, :k], weight(n, k, dtype)[:123]),
+            "x unaligned": (wide_x[:, 1 : 1 + k], weight(n, k, dtype)),
+            "w unaligned": (wide_x[:, :k], wide_w[:, 1 : 1 + k]),
+            "k not a vector": (wide_x[:, : k - 3], wide_w[:, : k - 3]),
+            "one column": (wide_x[:, :k], weight(n, k, dtype)[:1]),
+            "k of one": (wide_x[:, :1], wide_w[:, :1]),
+        }
+        for name, (x, w) in cases.items():
+            assert kc.gemv_takes(x, w), name
+            expect = ref.gemv(x, w)
+            for variant in (None, "tc1.w4.s2", "tc2.w8.s1", "simt2.w4.s3", "simt1.w2.s1"):
+                close(kc.gemv(x, w, variant), expect, f"{name} m={m} {dtype} {variant}")
+
+
+def test_what_the_kernel_does_not_take_falls_back_counted(kc):
+    kc.registry.reset_fallbacks()
+    w = weight(40, 64, torch.bfloat16)
+    x18 = rows(18, 64, torch.bfloat16, seed=1)
+    torch.testing.assert_close(kc.gemv(x18, w), ref.gemv(x18, w), rtol=0, atol=0)  # 18 rows: the reference
+    x3d = rows(2, 64, torch.bfloat16, seed=2)[None]
+    torch.testing.assert_close(kc.gemv(x3d, w), ref.gemv(x3d, w), rtol=0, atol=0)
+    assert kc.registry.fallbacks() == {"gemv": 2}
+    kc.registry.reset_fallbacks()
+    with pytest.raises(ValueError, match="unknown gemv variant"):
+        kc.gemv(rows(1, 64, torch.bfloat16, seed=3), w, "fastest")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deterministic_and_fp32_rows_do_not_depend_on_the_row_count(kc, dtype):
+    """The same call gives the same bits (fixed-order sums, no atomics); in fp32 the default launch sums each
+    row alike whatever the row count, so a verify of k rows equals k one-row steps bit for bit."""
+    n, k = 4096, 4096
+    w = weight(n, k, dtype)
+    x = rows(6, k, dtype, seed=7)
+    for variant in every_variant(kc, 6, n, k, dtype):
+        assert torch.equal(kc.gemv(x, w, variant), kc.gemv(x, w, variant)), variant
+    if dtype == torch.float32:
+        whole = kc.gemv(x, w)
+        for i in range(6):
+            assert torch.equal(kc.gemv(x[i : i + 1], w)[0], whole[i]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inside_a_captured_graph(kc, dtype):
+    """Captured with the split-K workspace and the combine launch, replayed on new inputs written in place."""
+    n, k = 4096, 4096
+    w = weight(n, k, dtype)
+    plans = [(m, v) for m in (1, 6, 17) for v in (None, *kc.gemv_variants(m, n, k, dtype, CUDA)[:4])]
+    xs = {m: rows(m, k, dtype, seed=m) for m in (1, 6, 17)}
+    for m, v in plans:  # eager first: every kernel loaded before the capture
+        kc.gemv(xs[m], w, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [kc.gemv(xs[m], w, v) for m, v in plans]
+    for seed in (11, 12):
+        for m in xs:
+            xs[m].copy_(rows(m, k, dtype, seed=seed * 100 + m))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (m, v), out in zip(plans, outs, strict=True):
+            close(out, ref.gemv(xs[m], w), f"graph m={m} {v} seed {seed}")
+
+
+def test_warm_up_runs_the_gemv_kernels(kc):
+    kc.warm_up(CUDA, torch.bfloat16)
+    kc.warm_up(CUDA, torch.float32)
+    assert kc.gemv_kernels(CUDA, torch.bfloat16)[0]
