@@ -1,4 +1,4 @@
-"""Decode attention on the GPU: each kernel form ("warp", "tile") at several blocks a SM, per query width T, at
+"""Decode attention on the GPU: each kernel form ("vec", "warp", "tile") at several blocks a SM, per query width T, at
 1k..128k context over a 131584-slot cache with a device start (as inside a captured plan); then the 9B-like
 model's target-only decode by context with the best per T. The constants this chose are in kernels/cuda.py.
 
@@ -24,7 +24,12 @@ from kernels import reference as R  # noqa: E402
 
 CONTEXTS = [1024, 8192, 32768, 131072]
 HQ, HKV, D, SLOTS = 16, 4, 256, 131584
-FORMS = {1: [("warp", 2), ("warp", 4), ("warp", 8), ("tile", 2)], 4: [("tile", 2), ("tile", 4), ("warp", 8)]}
+# (form, blocks a SM, vec's unroll)
+FORMS = {
+    1: [("vec", 4, 2), ("vec", 4, 4), ("vec", 8, 2), ("warp", 8, 0)],
+    4: [("tile", 2, 0), ("vec", 4, 2), ("vec", 8, 2)],
+    16: [("tile", 2, 0), ("vec", 4, 2), ("vec", 8, 2)],
+}
 
 
 def per_call_us(fn, iters: int = 100) -> float:
@@ -46,10 +51,13 @@ def per_call_us(fn, iters: int = 100) -> float:
     return e0.elapsed_time(e1) / iters * 1e3
 
 
-def set_form(impl: str, blocks: int) -> None:
+def set_form(impl: str, blocks: int, unroll: int) -> None:
     C._ATT_IMPL = impl
     if impl == "warp":
         C._ATT_WARP_BLOCKS_PER_SM = blocks
+    elif impl == "vec":
+        C._ATT_VEC_BLOCKS_PER_SM = blocks
+        C._ATT_VEC_UNROLL = unroll
     else:
         C._ATT_TILE_BLOCKS_PER_SM = blocks
 
@@ -60,18 +68,26 @@ def sweep() -> dict:
     kc = torch.randn(SLOTS, HKV, D, device=dev, dtype=torch.bfloat16)
     vc = torch.randn(SLOTS, HKV, D, device=dev, dtype=torch.bfloat16)
     G.say(f"== attention_cached [T, {HQ}, {D}] bf16, {HKV} kv heads, {SLOTS}-slot cache, device start; us per call ==")
-    G.say(f"{'T':>2} {'form':>5} {'blocks/SM':>9} " + " ".join(f"{c:>8}" for c in CONTEXTS) + "  max err @8k")
+    G.say(
+        f"{'T':>2} {'form':>5} {'blocks/SM':>9} {'unroll':>6} "
+        + " ".join(f"{c:>8}" for c in CONTEXTS)
+        + "  max err @8k"
+    )
     res = {}
     for t, forms in FORMS.items():
         q = torch.randn(t, HQ, D, device=dev, dtype=torch.bfloat16)
-        for impl, blocks in forms:
-            set_form(impl, blocks)
+        for impl, blocks, unroll in forms:
+            set_form(impl, blocks, unroll)
             got = C.attention_cached(q, kc, vc, torch.tensor([8192 - t], device=dev), D**-0.5).float()
             err = (got - R.attention_cached(q, kc, vc, 8192 - t, D**-0.5).float()).abs().max().item()
             starts = [torch.tensor([c - t], device=dev) for c in CONTEXTS]
             row = [per_call_us(lambda s=s, q=q: C.attention_cached(q, kc, vc, s, D**-0.5)) for s in starts]
-            res[(t, impl, blocks)] = row
-            G.say(f"{t:>2} {impl:>5} {blocks:>9} " + " ".join(f"{x:8.1f}" for x in row) + f"  {err:.2e}")
+            res[(t, impl, blocks, unroll)] = row
+            G.say(
+                f"{t:>2} {impl:>5} {blocks:>9} {unroll or '-':>6} "
+                + " ".join(f"{x:8.1f}" for x in row)
+                + f"  {err:.2e}"
+            )
     return res
 
 
@@ -84,7 +100,7 @@ def best(res: dict, t: int) -> tuple:
 def decode_by_context() -> None:
     eng = G.random_9b_engine(max_context=SLOTS, mtp=True)
     gen = torch.Generator().manual_seed(1)
-    eng.generate(torch.randint(0, 32768, (1024,), generator=gen).tolist(), 8, EngineSettings(speculative=False))
+    eng.generate(torch.randint(0, 32768, (1024,), generator=gen).tolist(), 64, EngineSettings(speculative=False))
     G.say("9B-like, bf16, target-only, with the forms chosen above:")
     G.decode_by_context(eng, CONTEXTS, gen)
 
@@ -95,11 +111,12 @@ def main() -> int:
     a = ap.parse_args()
     try:
         res = sweep()
-        one, more = best(res, 1), best(res, 4)
-        G.say(f"best: T=1 {one[1]} at {one[2]} blocks/SM; T>1 {more[1]} at {more[2]} blocks/SM")
-        set_form(one[1], one[2])
-        set_form(more[1], more[2])
-        C._ATT_IMPL = "auto" if (one[1], more[1]) == ("warp", "tile") else one[1]
+        for t in FORMS:
+            top = best(res, t)
+            G.say(f"best at T={t}: {top[1]} at {top[2]} blocks/SM" + (f", unroll {top[3]}" if top[3] else ""))
+        one = best(res, 1)
+        set_form(*one[1:])
+        C._ATT_IMPL = "auto" if one[1] == "vec" else one[1]
         G.say()
         decode_by_context()
     finally:

@@ -315,8 +315,9 @@ _ATT_MAX_SPLITS = 128
 _ATT_MAX_KERNEL_ROWS = 64
 # "tile": K/V tiles in shared memory shared by all query rows of a kv head;
 # "warp": one block per (query row, head) and key split, a warp per key;
-# "auto" (default): "warp" for a single query token (a target-only decode step: no rows to share tiles
-# between), "tile" for more (bench/profile_9b.py times both per shape, T and context).
+# "vec": one block per (query row, kv head) and key split serving the kv head's query heads, 16-byte loads;
+# "auto" (default): "vec" up to _ATT_VEC_MAX_ROWS query rows where its shape limits allow (else "warp" for
+# one row), "tile" for more (bench/profile_9b.py times both per shape, T and context).
 _ATT_IMPL = "auto"
 # "par": the split partials are merged by a block (default); "serial": one thread merges them (cross-check)
 _ATT_COMBINE = "par"
@@ -331,6 +332,14 @@ _ATT_MIN_KEYS_PER_SPLIT = 64
 # four heads cut the loads in flight more than the shared reads saved).
 _ATT_WARP_BLOCKS_PER_SM = 8
 _ATT_TILE_BLOCKS_PER_SM = 2
+# "vec" (the default for one query token where the shapes allow): a block serves the query heads of one kv
+# head with 16-byte loads, K and V of two key steps in flight per lane (decode_kernels.cu, attn_vec_impl).
+_ATT_VEC_BLOCKS_PER_SM = 4
+_ATT_VEC_MIN_STEPS = 2
+_ATT_VEC_UNROLL = 2  # key steps whose K and V loads a lane issues together: 2 or 4 (kernels for both)
+_ATT_VEC_MIN_SPLITS = 16  # wide verify rows still get the context split (T=16: 16 splits beat 8)
+# Up to this many query rows "auto" takes "vec" (one block per row reads K/V again, from L2); past it "tile".
+_ATT_VEC_MAX_ROWS = 17
 
 
 def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
@@ -338,6 +347,18 @@ def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
     warps' worth of keys."""
     want = max(1, -(-_ATT_WARP_BLOCKS_PER_SM * _sms(device) // (t * hq)))
     cap = max(1, -(-max_keys // _ATT_MIN_KEYS_PER_SPLIT))
+    return max(1, min(want, cap, _ATT_MAX_SPLITS))
+
+
+def _att_vec_splits(device: torch.device, t: int, hkv: int, d: int, max_keys: int) -> int:
+    """Key splits per (row, kv head) of the "vec" kernel: about _ATT_VEC_BLOCKS_PER_SM blocks per SM, each
+    split at least _ATT_VEC_MIN_STEPS block steps of keys (a step: 4 warps x 32 / LPR keys x the unroll)."""
+    lpr = 1
+    while lpr * 8 < d:
+        lpr *= 2
+    step = 4 * (32 // lpr) * _ATT_VEC_UNROLL
+    want = max(_ATT_VEC_MIN_SPLITS, -(-_ATT_VEC_BLOCKS_PER_SM * _sms(device) // (t * hkv)))
+    cap = max(1, -(-max_keys // (_ATT_VEC_MIN_STEPS * step)))
     return max(1, min(want, cap, _ATT_MAX_SPLITS))
 
 
@@ -402,8 +423,22 @@ def attention_cached(
     sp, sv = _start_args(start, q.device)
     max_keys = max_ctx if sp != _NULL else min(max_ctx, int(sv) + t)
     epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
-    impl = _ATT_IMPL if _ATT_IMPL != "auto" else ("warp" if t == 1 else "tile")
-    if impl == "tile":
+    groups_of = hq // hkv
+    vec_fits = (
+        groups_of in (1, 2, 4, 8) and d % 8 == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+    )
+    if _ATT_IMPL != "auto":
+        impl = _ATT_IMPL
+    elif vec_fits and t <= _ATT_VEC_MAX_ROWS:
+        impl = "vec"
+    else:
+        impl = "warp" if t == 1 else "tile"
+    if impl == "vec" and not vec_fits:
+        impl = "warp"
+    if impl == "vec":
+        splits = _att_vec_splits(q.device, t, hkv, d, max_keys)
+        grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
+    elif impl == "tile":
         rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
         groups = -(-(t * (hq // hkv)) // rb)
         want = -(-_ATT_TILE_BLOCKS_PER_SM * _sms(q.device) // (hkv * groups))

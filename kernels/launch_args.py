@@ -110,6 +110,7 @@ AttnSplitArgs = builder(
         "i64 max_ctx, f32 scale, ptr ws_acc, ptr ws_ml, ptr out, ptr gate, i64 gs0, i64 gs1"
     ),
     *(f"attn_split_e{e}" for e in (1, 2, 4, 8)),
+    *(f"attn_vec_u{u}_g{g}" for u in (2, 4) for g in (1, 2, 4, 8)),
 )
 AttnTileArgs = builder(
     "AttnTileArgs",

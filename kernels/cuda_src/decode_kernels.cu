@@ -404,6 +404,267 @@ ATTN_SPLIT(2)
 ATTN_SPLIT(4)
 ATTN_SPLIT(8)
 
+// attention_cached, vector form for decode rows (the default for one query token): grid (S splits, Hkv, T).
+// A block serves the G query heads of ONE kv head (the GQA group), so each K/V row is read from memory once
+// per group, not once per head. A key row is read by LPR lanes (LPR = the power of two >= D / 8), each lane
+// loading its 8 contiguous features with 16-byte loads; a warp covers 32 / LPR keys a step and issues the K
+// AND the V loads of U steps (U = 2 or 4) before using any of them (V does not depend on the scores), so a warp keeps
+// 2 * U 16-byte loads a lane in flight. Scores are kept in the log2 domain (q pre-scaled by
+// scale * log2(e), exp2); the partial max written for attn_combine is converted back to the natural log.
+// Keys past the split's end are never loaded and weigh exactly 0 (no 0 * inf). Host: D % 8 == 0, D <= 256,
+// K/V rows 16-byte aligned, G = Hq / Hkv in {1, 2, 4, 8}.
+#define AV_WARPS 4
+#define AV_RAW (sizeof(scalar_t) == 4 ? 2 : 1)  // 16-byte words per 8 features
+#define LOG2E_F 1.4426950408889634f
+#define LN2_F 0.6931471805599453f
+
+struct Raw8 {
+    uint4 r[AV_RAW];
+};
+
+__device__ __forceinline__ Raw8 raw8_load(const scalar_t* __restrict__ p) {
+    Raw8 v;
+    const uint4* s = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < AV_RAW; ++i) v.r[i] = __ldg(s + i);
+    return v;
+}
+
+__device__ __forceinline__ Raw8 raw8_zero() {
+    Raw8 v;
+#pragma unroll
+    for (int i = 0; i < AV_RAW; ++i) v.r[i] = make_uint4(0u, 0u, 0u, 0u);
+    return v;
+}
+
+__device__ __forceinline__ unsigned int raw8_word(const Raw8& v, int w) {
+    const uint4& q = v.r[w >> 2];
+    switch (w & 3) {
+        case 0: return q.x;
+        case 1: return q.y;
+        case 2: return q.z;
+        default: return q.w;
+    }
+}
+
+// Feature i (0..7) of the 8 loaded, as float (exact: the same value to_f gives).
+__device__ __forceinline__ float raw8_at(const Raw8& v, int i) {
+#if SCALAR_KIND == 0
+    return __uint_as_float(raw8_word(v, i));
+#elif SCALAR_KIND == 1
+    const unsigned int w = raw8_word(v, i >> 1);
+    return __uint_as_float((i & 1) ? (w & 0xffff0000u) : (w << 16));
+#else
+    const unsigned int w = raw8_word(v, i >> 1);
+    const unsigned short b = (i & 1) ? (unsigned short)(w >> 16) : (unsigned short)(w & 0xffffu);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+#endif
+}
+
+template <int G, int U>
+__device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
+                                              const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
+                                              const long long* start_ptr, long long start_val, int Hq, int Hkv,
+                                              int D, long long max_ctx, float scale, float* __restrict__ ws_acc,
+                                              float* __restrict__ ws_ml, scalar_t* __restrict__ out,
+                                              const scalar_t* __restrict__ gate, long long gs0, long long gs1) {
+    __shared__ float s_m[AV_WARPS][G], s_l[AV_WARPS][G];
+    __shared__ float s_acc[AV_WARPS][G][256];
+    const int S = gridDim.x, T = gridDim.z;
+    const int s = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int lpr = 1;
+    while (lpr * 8 < D) lpr <<= 1;
+    const int rpw = 32 / lpr;  // keys a warp step
+    const int sub = lane / lpr, li = lane & (lpr - 1);
+    const int d0 = li * 8;
+    const bool act = d0 < D;
+    const long long start = read_start(start_ptr, start_val);
+    long long n = ll_min(start + t + 1, max_ctx);
+    n = ll_max(n, 0);
+    const int lanes_keys = AV_WARPS * rpw;  // keys a block step
+    const long long step = (long long)lanes_keys * U;
+    long long chunk = (n + S - 1) / S;
+    chunk = ll_max(chunk, step);
+    const long long b = (long long)s * chunk;
+    const long long e = ll_min(n, b + chunk);
+    const long long rstride = (long long)Hkv * D;
+    const scalar_t* kb = kc + (long long)kvh * D + d0;
+    const scalar_t* vb = vc + (long long)kvh * D + d0;
+    const float qscale = scale * LOG2E_F;
+
+    float qv[G][8], acc[G][8], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const scalar_t* qr = q + t * qs0 + (long long)(kvh * G + g) * qs1 + d0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            qv[g][i] = act ? to_f(qr[i]) * qscale : 0.f;
+            acc[g][i] = 0.f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+    }
+    // The loop bound is the same for the whole warp (the shuffles below need every lane): a lane's key is
+    // j0 + sub + u * lanes_keys, masked by ok[] past the split's end. The next step's K and V are loaded
+    // (into nk/nv) before this step's are used, so a warp's loads overlap its own arithmetic.
+    Raw8 nk[U], nv[U];
+    bool nok[U];
+    auto fetch = [&](long long j0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long j = j0 + sub + (long long)u * lanes_keys;
+            nok[u] = j < e;
+            if (nok[u] && act) {
+                nk[u] = raw8_load(kb + j * rstride);
+                nv[u] = raw8_load(vb + j * rstride);
+            } else {
+                nk[u] = raw8_zero();
+                nv[u] = raw8_zero();
+            }
+        }
+    };
+    fetch(b + warp * rpw);
+    for (long long j0 = b + warp * rpw; j0 < e; j0 += step) {
+        Raw8 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            kr[u] = nk[u];
+            vr[u] = nv[u];
+            ok[u] = nok[u];
+        }
+        if (j0 + step < e) fetch(j0 + step);
+        float sc[U][G];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot += qv[g][i] * raw8_at(kr[u], i);
+                sc[u][g] = dot;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            if (o < lpr) {  // uniform over the warp: a row's lanes sum their partial dots
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+#pragma unroll
+                    for (int g = 0; g < G; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], o);
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (ok[u]) mx = fmaxf(mx, sc[u][g]);
+            if (mx > m[g]) {  // a new running max: rescale what was summed (m = -inf before the first key: 0)
+                const float corr = exp2f(m[g] - mx);
+                l[g] *= corr;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] *= corr;
+                m[g] = mx;
+            }
+            float p[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                p[u] = ok[u] ? exp2f(sc[u][g] - mx) : 0.f;
+                l[g] += p[u];
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float a = acc[g][i];
+#pragma unroll
+                for (int u = 0; u < U; ++u) a += p[u] * raw8_at(vr[u], i);
+                acc[g][i] = a;
+            }
+        }
+    }
+    // merge the key streams of a warp (lanes with the same features, other keys)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        if (o >= lpr) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+                const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+                const float mx = fmaxf(m[g], mo);
+                const float wa = m[g] == NEG_INF ? 0.f : exp2f(m[g] - mx);
+                const float wb = mo == NEG_INF ? 0.f : exp2f(mo - mx);
+                l[g] = l[g] * wa + lo * wb;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+                    acc[g][i] = acc[g][i] * wa + ao * wb;
+                }
+                m[g] = mx;
+            }
+        }
+    }
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (li == 0) {
+                s_m[warp][g] = m[g];
+                s_l[warp][g] = l[g];
+            }
+            if (act) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s_acc[warp][g][d0 + i] = acc[g][i];
+            }
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < G * D; x += blockDim.x) {
+        const int g = x / D, d = x - g * D;
+        const int h = kvh * G + g;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < AV_WARPS; ++w) M = fmaxf(M, s_m[w][g]);
+        float L = 0.f, a = 0.f;
+#pragma unroll
+        for (int w = 0; w < AV_WARPS; ++w) {
+            const float wt = s_m[w][g] == NEG_INF ? 0.f : exp2f(s_m[w][g] - M);
+            L += s_l[w][g] * wt;
+            a += s_acc[w][g][d] * wt;
+        }
+        if (S == 1) {
+            out[((long long)t * Hq + h) * D + d] = gated_out(a / L, gate, t * gs0 + h * gs1 + d);
+        } else {
+            const long long prow = (long long)s * T * Hq + (long long)t * Hq + h;
+            ws_acc[prow * D + d] = a;
+            if (d == 0) {
+                ws_ml[prow * 2] = M == NEG_INF ? NEG_INF : M * LN2_F;
+                ws_ml[prow * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+#define ATTN_VEC(G, U)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(AV_WARPS * 32)                                            \
+        attn_vec_u##U##_g##G(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc, const scalar_t* vc, \
+                      const long long* start_ptr, long long start_val, int Hq, int Hkv, int D,             \
+                      long long max_ctx, float scale, float* ws_acc, float* ws_ml, scalar_t* out,          \
+                      const scalar_t* gate, long long gs0, long long gs1) {                                \
+        attn_vec_impl<G, U>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc,    \
+                         ws_ml, out, gate, gs0, gs1);                                                      \
+    }
+ATTN_VEC(1, 2)
+ATTN_VEC(1, 4)
+ATTN_VEC(2, 2)
+ATTN_VEC(2, 4)
+ATTN_VEC(4, 2)
+ATTN_VEC(4, 4)
+ATTN_VEC(8, 2)
+ATTN_VEC(8, 4)
+
 // attention_cached, tiled form (the default): grid (S splits, Hkv, row groups); 4 warps per block.
 // A block owns up to RB = 4 * RPW query rows of ONE kv head (rows r = t * rep + (h % rep), so the T query
 // tokens and the GQA heads of the group share every K/V tile loaded to shared memory). Per tile of KT
@@ -585,8 +846,8 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
             for (int i = 0; i < EPL; ++i) vv[i] = to_f(sV[jj][i * 32 + lane]);
 #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-                if (r < nsl) {
-                    const float p = sP[warp + NW * r][jj];
+                const float p = r < nsl ? sP[warp + NW * r][jj] : 0.f;
+                if (p != 0.f) {  // a key masked for this row adds nothing, not 0 * V (V may be inf or NaN)
 #pragma unroll
                     for (int i = 0; i < EPL; ++i) acc[r][i] += p * vv[i];
                 }
