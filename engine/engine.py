@@ -426,9 +426,19 @@ class Engine:
 
     def close(self) -> None:
         """Free the engine's worker processes and process group now (several devices; else nothing).
-        Dropping the engine does the same."""
+        Dropping the engine does the same. The sessions' captured plans (graphs that hold all-reduces on the
+        group's communicator) are released and the device idle before the group is torn down."""
         if self.cluster is not None:
+            self.release_plans()
             self.cluster.close()
+
+    def release_plans(self) -> None:
+        """Drop every live session's captured plans (they are captured again at next use) and wait for the
+        device: nothing of this rank is in flight afterwards."""
+        for sess in self._sessions():
+            sess.plans.clear()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     # ---- information ----------------------------------------------------------------------------
     @property

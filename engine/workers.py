@@ -428,6 +428,7 @@ def worker_main(rank, world, address, devices, source, threads, conn, beats, bui
         engine.collectives = setup_collectives(engine.model, allow_symmetric=address[2])
         conn.send(("ready",))
         serve(engine, _WorkerChannel(conn, engine))
+        engine.release_plans()  # "close": its graphs go before the process group does (as on rank 0)
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as exc:  # noqa: BLE001 - report it in one line to rank 0, then leave

@@ -370,3 +370,48 @@ def test_a_process_group_that_cannot_be_set_up_is_one_line_naming_it(monkeypatch
     message = str(err.value)
     assert "gloo process group of 2 devices could not be set up on rank 0" in message
     assert "connect() timed out" in message and "\n" not in message
+
+
+_TWICE = """
+import sys
+from engine import Engine, EngineSettings
+for _ in range(2):
+    eng = Engine.load(sys.argv[1], devices=["cuda:0", "cuda:1"])
+    sess = eng.new_session()
+    for _ in range(2):  # the second run replays plans with the all-reduces captured inside
+        sess.reset()
+        eng.generate(sys.argv[2], 16, EngineSettings(draft_depth=3, plan_pool=8), sess)
+    eng.close()
+    print("closed", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    reason="seen on two H200s (2026-12-01): the close of a second two-GPU engine in one process waited forever "
+    "in destroy_process_group; Engine.close now releases the captured plans first, not yet confirmed on GPUs",
+    strict=False,
+)
+def test_two_gpu_engines_one_after_another_in_one_process_both_close(model_dir):
+    """What the app does when the model is loaded again on two GPUs: load, run, close, twice, in one process.
+    A hang is a failure here (the child is given 240 s), not a stuck test session."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _TWICE, str(model_dir), PROMPT],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("loading, running and closing a two-GPU engine twice in one process did not finish in 240 s")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("closed") == 2
