@@ -327,9 +327,10 @@ _ATT_MIN_KEYS_PER_SPLIT = 64
 # at once. Timed on the H200 ([T, 16, 256] bf16, 4 KV heads, device start, us per call at 1k/32k/128k):
 # "warp", T=1: 2 a SM 13.6/431/1802, 8 a SM 16.2/139/519 (more: capped at _ATT_MAX_SPLITS, no faster);
 # "tile", T=4: 2 a SM 46.7/265/954, 4 a SM 56.0/294/960 (it already shares K/V tiles between rows).
-# Tried and dropped: a "warp" walk whose block serves the 4 query heads of a kv head (each K/V row read
-# once per group, not per head): 26.9/233/883 at T=1, slower than "warp" (the per-warp register state of
-# four heads cut the loads in flight more than the shared reads saved).
+# "vec" (bench/attention_sweep.py, 2026-12-01): T=1 4 a SM 14.1/56.2/184.8 (8 a SM: the same, capped by
+# _ATT_MAX_SPLITS; unroll 4: 16.6/61.4/179.7); T=4 14.7/175/668 against "tile" 46.6/263/952; T=16 33/690/2710
+# against "tile" 52/1042/4080. An earlier grouped "warp" walk with 2-byte loads was 26.9/233/883 at T=1 (its
+# four heads' register state cut the loads in flight more than the shared reads saved).
 _ATT_WARP_BLOCKS_PER_SM = 8
 _ATT_TILE_BLOCKS_PER_SM = 2
 # "vec" (the default for one query token where the shapes allow): a block serves the query heads of one kv
