@@ -413,6 +413,7 @@ class Engine:
         eng.tokenizer, eng.model_dir = tokenizer, model_dir
         eng.collectives["note"] = split_note(eng.model, eng.collectives)
         eng.cluster = cluster
+        cluster.before_close = weakref.WeakMethod(eng.release_plans)
         eng.model.watch = cluster.check
         weakref.finalize(eng, cluster.close)
         return eng
@@ -429,8 +430,7 @@ class Engine:
         Dropping the engine does the same. The sessions' captured plans (graphs that hold all-reduces on the
         group's communicator) are released and the device idle before the group is torn down."""
         if self.cluster is not None:
-            self.release_plans()
-            self.cluster.close()
+            self.cluster.close()  # which runs release_plans first (cluster.before_close)
 
     def release_plans(self) -> None:
         """Drop every live session's captured plans (they are captured again at next use) and wait for the

@@ -204,6 +204,9 @@ class Cluster:
         self._dropped: list[int] = []
         self._pickled: dict[tuple, bytes] = {}
         self._reports: dict[int, dict] = {}
+        # Rank 0's engine's release_plans (a weak method): run first by close(), however the close comes (the
+        # engine's close, its finalizer, a lost worker, another engine loaded, interpreter exit)
+        self.before_close: weakref.WeakMethod | None = None
         env_keep = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
         for k, v in env_keep.items():
             os.environ.setdefault(k, v)
@@ -339,6 +342,12 @@ class Cluster:
         self.closed = why
         _LIVE.discard(self)
         import torch.distributed as dist
+
+        # Graphs with NCCL collectives captured in them hold the communicator: they go before the group does.
+        release = self.before_close() if self.before_close is not None else None
+        if release is not None:
+            with contextlib.suppress(Exception):  # a broken device must not stop the rest of the close
+                release()
 
         for conn in self.conns:
             with contextlib.suppress(Exception):  # a dead worker's pipe

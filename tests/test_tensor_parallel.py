@@ -372,6 +372,29 @@ def test_a_process_group_that_cannot_be_set_up_is_one_line_naming_it(monkeypatch
     assert "connect() timed out" in message and "\n" not in message
 
 
+def test_close_releases_the_captured_plans_before_the_process_group_goes(model_dir, monkeypatch):
+    """Graphs with all-reduces captured in them hold NCCL's communicator; destroying the group under them can
+    wait forever (seen on two H200s). Whatever the plans hold when the engine closes is gone by the time the
+    group is destroyed."""
+    import torch.distributed as dist
+
+    tp = Engine.load(model_dir, devices=["cpu", "cpu"])
+    sess = tp.new_session()
+    tp.generate(PROMPT, 4, EngineSettings(draft_depth=3), sess)
+    sess.plans.graphs["a captured plan"] = (object(), None, 0)  # on the CPU nothing is captured: stand in
+    seen = []
+    real = dist.destroy_process_group
+
+    def destroy(*args, **kwargs):
+        seen.append(len(sess.plans.graphs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    _close(tp)
+    assert seen == [0]
+    assert not dist.is_initialized()
+
+
 _TWICE = """
 import sys
 from engine import Engine, EngineSettings
