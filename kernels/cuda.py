@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import launch_args as la
-from . import reference, registry
+from . import pdl, reference, registry
 from .reference import Start
 from .registry import NAMES as OP_NAMES
 
@@ -54,6 +54,7 @@ _lock = threading.Lock()
 _source_text: str | None = None
 _modules: dict[tuple[int, int], object] = {}
 _functions: dict[tuple[int, int, str], object] = {}
+_PDL = False  # programmatic dependent launch for kernels launched while a plan is captured (set_pdl)
 _streams: dict[int, object] = {}
 _sm_count: dict[int, int] = {}
 
@@ -154,11 +155,31 @@ def _launch(name: str, dtype: torch.dtype | None, device: torch.device, grid, bl
         kind = next((kd for (dv_, kd) in list(_modules) if dv_ == dev), 0)
     else:
         kind = _KIND[dtype]
-    fn = _function(dev, kind, name)
-    stream = _stream(device)
+    _call(_function(dev, kind, name), dev, grid, block, args, shared_mem, _stream(device))
+
+
+def set_pdl(on: bool) -> bool:
+    """Launch the kernels of plans being captured with programmatic dependent launch (kernels/pdl.py), or not.
+    Returns whether it is on: False where the driver or the GPU (compute capability < 9.0) cannot. Plans
+    captured before a change keep how they were captured."""
+    global _PDL
+    _PDL = bool(on) and pdl.available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return _PDL
+
+
+def _call(fn, dev: int, grid, block, args: tuple, shared_mem: int, stream) -> None:
+    """Launch a loaded kernel on `stream`: with PDL while a plan is captured (when on), else through CuPy."""
+    with_pdl = _PDL and torch.cuda.is_current_stream_capturing()
     if _cp.cuda.runtime.getDevice() != dev:
         with _cp.cuda.Device(dev):
-            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+            _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+    else:
+        _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+
+
+def _call_here(fn, grid, block, args: tuple, shared_mem: int, stream, with_pdl: bool) -> None:
+    if with_pdl:
+        pdl.launch(fn.ptr, grid, block, args, shared_mem, stream.ptr)
     else:
         fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
 
@@ -855,13 +876,7 @@ def _sampling_ready(device: torch.device) -> bool:
 def _launch_sampling(name: str, device: torch.device, grid, args, threads: int = _SK_THREADS) -> None:
     args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _sampling_function(dev, name)
-    stream = _stream(device)
-    if _cp.cuda.runtime.getDevice() != dev:
-        with _cp.cuda.Device(dev):
-            fn(tuple(grid), (threads,), args, stream=stream)
-    else:
-        fn(tuple(grid), (threads,), args, stream=stream)
+    _call(_sampling_function(dev, name), dev, grid, (threads,), args, 0, _stream(device))
 
 
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
@@ -1272,13 +1287,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.
 def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     args = la.pack(name, args)
     dev = _dev_index(device)
-    fn = _gemv_function(dev, _KIND[dtype], name)
-    stream = _stream(device)
-    if _cp.cuda.runtime.getDevice() != dev:
-        with _cp.cuda.Device(dev):
-            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
-    else:
-        fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+    _call(_gemv_function(dev, _KIND[dtype], name), dev, grid, block, args, shared_mem, _stream(device))
 
 
 # ---- warm-up ------------------------------------------------------------------------------------------
