@@ -516,6 +516,7 @@ def section_real(n: int) -> None:
     say("round cost model (ms a round, means over rounds that captured nothing):")
     say(f"{'depth':>5} {'t/s':>8} {'vs target':>9} {'acc.len':>7} {'draft':>7} {'verify':>7} {'accept':>7} {'host':>6}")
     best = (0.0, 0)
+    expected = {}  # depth -> t/s from the rates' exact expected acceptance and the measured round cost
     for d in range(1, 9):
         runs = run(syn(draft_depth=d, chain=True))
         t, acc = tps(runs), statistics.fmean(r["mean_accepted_length"] for r in runs)
@@ -523,6 +524,12 @@ def section_real(n: int) -> None:
         ms = [1e3 * c.get(k, 0.0) for k in ("draft_s", "verify_s", "accept_s", "host_s")]
         say(f"{d:>5} {t:>8.1f} {t / target:>8.2f}x {acc:>7.2f} " + " ".join(f"{x:>7.3f}" for x in ms))
         best = max(best, (t, d))
+        run_p = e_tokens = 1.0
+        for p in QWEN3_NEXT_RATES[:d]:
+            run_p *= p
+            e_tokens += run_p
+        if sum(ms) > 0:
+            expected[d] = 1e3 * e_tokens / sum(ms)
     say(f"best depth with chain: {best[1]}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
     auto = syn(draft_depth="auto", max_draft_depth=8, chain=True)
     runs = run(auto, warm_n=n)  # the warm-up is the controller's first run: its sweep over the depths
@@ -532,6 +539,14 @@ def section_real(n: int) -> None:
         f"depth auto (max 8): {tps(runs):.1f} t/s, {tps(runs) / target:.2f}x target-only, "
         f"{tps(runs) / best[0]:.3f} of the best static depth; most rounds at depth {most}"
     )
+    if expected:
+        top = max(expected, key=expected.get)
+        say(
+            "expected t/s per depth (the rates' exact acceptance over the measured round cost): "
+            + ", ".join(f"{d}: {v:.0f}" for d, v in expected.items())
+            + f"; best {top}; auto at {tps(runs) / expected[top]:.3f} of it (a {n}-token static run scatters by a"
+            " few %, so the best measured run above overstates its depth)"
+        )
     say()
     d = best[1]
     say(f"sub-vocab at depth {d} (chain on): {'N':>7} {'draft ms/step':>13} {'t/s':>8} {'vs full':>8}")
@@ -552,6 +567,23 @@ def section_real(n: int) -> None:
     step = 1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d
     say(f"{'':<20}32768 of an order {step:>13.3f} {tps(runs):>8.1f} {tps(runs) / full_tps:>7.2f}x")
     eng.set_sub_vocab_order(None)
+    # the same two draft steps with the gemv kernels where they beat cuBLAS (--gemm auto, measured from scratch)
+    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")
+    try:
+        eng.model.set_gemm("auto", cache_dir=cache)
+        steps = {}
+        for sub in (0, 32768):
+            runs = run(syn(draft_depth=d, chain=True, sub_vocab=sub))
+            steps[sub] = (1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d, tps(runs))
+        say(
+            f"with --gemm auto: draft step full {steps[0][0]:.3f} ms, 32768 {steps[32768][0]:.3f} ms "
+            f"({steps[0][0] / steps[32768][0]:.1f}x cheaper); {steps[0][1]:.1f} / {steps[32768][1]:.1f} t/s"
+        )
+    except EngineError as e:
+        say(f"with --gemm auto: unavailable ({e})")
+    finally:
+        eng.model.set_gemm("cublas")
+        shutil.rmtree(cache, ignore_errors=True)
     on, off = tps(run(syn(draft_depth=5, chain=True))), tps(run(syn(draft_depth=5, chain=False)))
     say(f"depth 5: chain on {on:.1f} t/s, chain off {off:.1f} t/s: chain {on / off:.2f}x")
     say()

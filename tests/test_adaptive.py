@@ -42,18 +42,39 @@ def simulate(rates, cost, rounds=900, seed=0, max_depth=8):
 
 
 @pytest.mark.parametrize(
-    "rates,cost",
+    "rates,cost,max_switches",
     [
-        ([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], lambda d: 1.0 + 0.15 * d),  # best in the middle
-        ([0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], lambda d: 1.0 + 0.3 * d),  # drafting barely pays: shallow
-        ([0.97] * 8, lambda d: 1.0 + 0.05 * d),  # cheap and accurate drafts: as deep as allowed
-        ([0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4], lambda d: 1.0 + 0.08 * d),  # Qwen3-Next MTP rates
+        ([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], lambda d: 1.0 + 0.15 * d, 12),  # best in the middle
+        ([0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], lambda d: 1.0 + 0.3 * d, 12),  # drafting barely pays: shallow
+        ([0.97] * 8, lambda d: 1.0 + 0.05 * d, 12),  # cheap and accurate drafts: as deep as allowed
+        ([0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4], lambda d: 1.0 + 0.08 * d, 12),  # Qwen3-Next MTP rates
+        # the same rates with the 9B-real round costs measured on the H200 (ms; bench/results/h200-real-scale):
+        # depths 3 and 4 within 1% of each other, the case where the device run put auto at 0.94 of the best
+        # static run (that run's static figures, 384 tokens each, are +-3-4% noise: see the test below)
+        (
+            [0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4],
+            lambda d: [6.156, 7.167, 7.957, 8.749, 9.437, 10.254, 11.165, 11.913][d - 1],
+            24,  # two depths within 1%: moving between them now and then costs nothing (both have plans)
+        ),
     ],
 )
-def test_the_controller_reaches_the_best_static_depth(rates, cost):
+def test_the_controller_reaches_the_best_static_depth(rates, cost, max_switches):
     ctrl, achieved, best = simulate(rates, cost)
     assert achieved >= 0.95 * best, (achieved, best, ctrl.snapshot())  # within the noise of 450 rounds
-    assert ctrl.switches <= 12  # settles instead of flapping
+    assert ctrl.switches <= max_switches  # settles instead of flapping
+
+
+def test_on_9b_real_costs_auto_is_within_two_percent_of_the_best_depth_on_average():
+    """Over many generations (different acceptance draws) auto's mean is within 2% of the best static depth's
+    expected rate, while single 384-token static runs scatter by several percent (so a "best static run"
+    picked after the fact overstates the best depth)."""
+    rates = [0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4]
+    costs = [6.156, 7.167, 7.957, 8.749, 9.437, 10.254, 11.165, 11.913]
+    shares = []
+    for seed in range(12):
+        _, achieved, best = simulate(rates, lambda d: costs[d - 1], rounds=600, seed=seed)
+        shares.append(achieved / best)
+    assert sum(shares) / len(shares) >= 0.98, shares
 
 
 def test_a_change_of_workload_moves_the_depth():
