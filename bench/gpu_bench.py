@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv,pdl] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -12,6 +12,8 @@ d     a random model of Qwen3.5-9B-like shapes built in memory (bf16), target-on
 bf16  speculative vs target-only in bf16: first divergence per workload and the top-2 logit gap there
 gemv  issue 20: the gemv kernels vs cuBLAS per 9B-like product at 1 and 6 rows (us and % of copy bandwidth),
       then (d) with --gemm cublas, cupy and auto side by side
+pdl   issue 20: programmatic dependent launch off vs on, plans captured each way, 9B-like (cublas, auto) and
+      the bundled model (target-only, speculative), with whether the tokens are the same
 s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
@@ -355,6 +357,54 @@ def section_gemv(bandwidth: float) -> None:
     section_d(bandwidth, ("cublas", "cupy", "auto"))
 
 
+def section_pdl(model_dir: Path, n: int) -> None:
+    """Programmatic dependent launch off vs on (kernels/pdl.py), plans captured each way on fresh sessions,
+    alternated off/on/off/on (best of two each): the 9B-like model target-only with --gemm cublas and auto, the
+    bundled model (bf16) target-only and speculative (depth 5, chain); and whether the tokens are the same."""
+    from kernels import cuda as C
+
+    say("== pdl: programmatic dependent launch off vs on (plans captured each way) ==")
+    if not C.set_pdl(True):
+        say("PDL is not available here (a driver without cuLaunchKernelEx, or a GPU before sm_90)")
+        return
+    C.set_pdl(False)
+    say(f"{'what':<34} {'off t/s':>8} {'on t/s':>8} {'on/off':>7} {'same tokens':>11}")
+
+    def measure(eng: Engine, prompt, settings: EngineSettings) -> tuple[float, float, bool]:
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        tokens = []
+        try:
+            for on in (False, True, False, True):
+                C.set_pdl(on)
+                sess = eng.new_session()
+                eng.generate(prompt, 16, settings, sess)  # captures this session's plans, with PDL or not
+                sess.reset()
+                out = eng.generate(prompt, n, settings, sess)
+                rates[on].append(out.stats["tokens_per_second"])
+                tokens.append(out.tokens)
+        finally:
+            C.set_pdl(False)
+        return max(rates[False]), max(rates[True]), all(t == tokens[0] for t in tokens)
+
+    def row(what: str, off: float, on: float, same: bool) -> None:
+        say(f"{what:<34} {off:>8.1f} {on:>8.1f} {on / off:>6.3f}x {str(same):>11}")
+
+    eng = random_9b_engine()
+    target = EngineSettings(speculative=False, plan_pool=8)
+    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")
+    for mode in ("cublas", "auto"):
+        eng.model.set_gemm(mode, cache_dir=cache)
+        row(f"9B-like target-only, gemm {mode}", *measure(eng, list(range(100, 164)), target))
+    shutil.rmtree(cache, ignore_errors=True)
+    del eng
+    torch.cuda.empty_cache()
+    small = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+    prompt = workload_prompts(small)[0]
+    row("bundled target-only", *measure(small, prompt, target))
+    row("bundled spec depth 5, chain", *measure(small, prompt, EngineSettings(draft_depth=5, chain=True, plan_pool=8)))
+    say()
+
+
 def section_bf16(model_dir: Path, n: int) -> None:
     say("== bf16: speculative (depth 5, chain) vs target-only, first divergence per workload ==")
     eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
@@ -682,6 +732,8 @@ def main() -> int:
             section_gemv(bw)
         if "bf16" in sections:
             section_bf16(model_dir, a.n)
+        if "pdl" in sections:
+            section_pdl(model_dir, a.n)
         if "s" in sections:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_s(eng, a.n)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import launch_args as la
-from . import reference, registry
+from . import pdl, reference, registry
 from .reference import Start
 from .registry import NAMES as OP_NAMES
 
@@ -54,6 +54,7 @@ _lock = threading.Lock()
 _source_text: str | None = None
 _modules: dict[tuple[int, int], object] = {}
 _functions: dict[tuple[int, int, str], object] = {}
+_PDL = False  # programmatic dependent launch for kernels launched while a plan is captured (set_pdl)
 _streams: dict[int, object] = {}
 _sm_count: dict[int, int] = {}
 
@@ -102,35 +103,42 @@ def _source() -> str:
 def _compile(kind: int):
     code = f"#define SCALAR_KIND {kind}\n" + _source()
     try:
-        mod = _cp.RawModule(code=code, options=_OPTIONS)
-        mod.compile()
-        return mod
+        return _raw_module(code)
     except Exception as first:  # noqa: BLE001
         # The CUDA half headers can clash with CuPy's bundled fp16 header under NVRTC; the kernels then
         # use their own 2-byte storage types (same round-to-nearest-even PTX conversions).
         try:
-            mod = _cp.RawModule(code="#define SPECDECK_OWN_HALF 1\n" + code, options=_OPTIONS)
-            mod.compile()
-            return mod
+            return _raw_module("#define SPECDECK_OWN_HALF 1\n" + code)
         except Exception:  # noqa: BLE001
             raise first from None
 
 
-def _function(dev: int, kind: int, name: str):
-    key = (dev, kind, name)
-    fn = _functions.get(key)
+def _load_function(fns: dict, fn_key, modules: dict, mod_key, dev: int, name: str, build):
+    """Kernel `name` of a module compiled once per `mod_key` by `build()` (under the lock; on device `dev`),
+    the loaded cupy.cuda.function.Function kept in `fns` under `fn_key`."""
+    fn = fns.get(fn_key)
     if fn is None:
         with _lock:
-            fn = _functions.get(key)
+            fn = fns.get(fn_key)
             if fn is None:
                 with _cp.cuda.Device(dev):
-                    mod = _modules.get((dev, kind))
+                    mod = modules.get(mod_key)
                     if mod is None:
-                        mod = _compile(kind)
-                        _modules[(dev, kind)] = mod
-                    fn = mod.get_function(name).kernel  # the loaded cupy.cuda.function.Function
-                _functions[key] = fn
+                        mod = build()
+                        modules[mod_key] = mod
+                    fn = mod.get_function(name).kernel
+                fns[fn_key] = fn
     return fn
+
+
+def _raw_module(code: str):
+    mod = _cp.RawModule(code=code, options=_OPTIONS)
+    mod.compile()
+    return mod
+
+
+def _function(dev: int, kind: int, name: str):
+    return _load_function(_functions, (dev, kind, name), _modules, (dev, kind), dev, name, lambda: _compile(kind))
 
 
 def _stream(device: torch.device):
@@ -154,11 +162,31 @@ def _launch(name: str, dtype: torch.dtype | None, device: torch.device, grid, bl
         kind = next((kd for (dv_, kd) in list(_modules) if dv_ == dev), 0)
     else:
         kind = _KIND[dtype]
-    fn = _function(dev, kind, name)
-    stream = _stream(device)
+    _call(_function(dev, kind, name), dev, grid, block, args, shared_mem, _stream(device))
+
+
+def set_pdl(on: bool) -> bool:
+    """Launch the kernels of plans being captured with programmatic dependent launch (kernels/pdl.py), or not.
+    Returns whether it is on: False where the driver or the GPU (compute capability < 9.0) cannot. Plans
+    captured before a change keep how they were captured."""
+    global _PDL
+    _PDL = bool(on) and pdl.available() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    return _PDL
+
+
+def _call(fn, dev: int, grid, block, args: tuple, shared_mem: int, stream) -> None:
+    """Launch a loaded kernel on `stream`: with PDL while a plan is captured (when on), else through CuPy."""
+    with_pdl = _PDL and torch.cuda.is_current_stream_capturing()
     if _cp.cuda.runtime.getDevice() != dev:
         with _cp.cuda.Device(dev):
-            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+            _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+    else:
+        _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+
+
+def _call_here(fn, grid, block, args: tuple, shared_mem: int, stream, with_pdl: bool) -> None:
+    if with_pdl:
+        pdl.launch(fn.ptr, grid, block, args, shared_mem, stream.ptr)
     else:
         fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
 
@@ -816,21 +844,8 @@ _SK_THREADS = 1024
 
 
 def _sampling_function(dev: int, name: str):
-    key = (dev, name)
-    fn = _sampling_fns.get(key)
-    if fn is None:
-        with _lock:
-            fn = _sampling_fns.get(key)
-            if fn is None:
-                with _cp.cuda.Device(dev):
-                    mod = _sampling_modules.get(dev)
-                    if mod is None:
-                        mod = _cp.RawModule(code=_SAMPLING_SRC.read_text(), options=_OPTIONS)
-                        mod.compile()
-                        _sampling_modules[dev] = mod
-                    fn = mod.get_function(name).kernel
-                _sampling_fns[key] = fn
-    return fn
+    build = lambda: _raw_module(_SAMPLING_SRC.read_text())  # noqa: E731
+    return _load_function(_sampling_fns, (dev, name), _sampling_modules, dev, dev, name, build)
 
 
 def _sampling_ready(device: torch.device) -> bool:
@@ -855,13 +870,7 @@ def _sampling_ready(device: torch.device) -> bool:
 def _launch_sampling(name: str, device: torch.device, grid, args, threads: int = _SK_THREADS) -> None:
     args = la.pack(name, args)
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _sampling_function(dev, name)
-    stream = _stream(device)
-    if _cp.cuda.runtime.getDevice() != dev:
-        with _cp.cuda.Device(dev):
-            fn(tuple(grid), (threads,), args, stream=stream)
-    else:
-        fn(tuple(grid), (threads,), args, stream=stream)
+    _call(_sampling_function(dev, name), dev, grid, (threads,), args, 0, _stream(device))
 
 
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
@@ -1079,21 +1088,8 @@ def gemv_version() -> str:
 
 
 def _gemv_function(dev: int, kind: int, name: str):
-    key = (dev, kind, name)
-    fn = _gemv_fns.get(key)
-    if fn is None:
-        with _lock:
-            fn = _gemv_fns.get(key)
-            if fn is None:
-                with _cp.cuda.Device(dev):
-                    mod = _gemv_modules.get((dev, kind))
-                    if mod is None:
-                        mod = _cp.RawModule(code=f"#define SCALAR_KIND {kind}\n" + _gemv_source(), options=_OPTIONS)
-                        mod.compile()
-                        _gemv_modules[(dev, kind)] = mod
-                    fn = mod.get_function(name).kernel
-                _gemv_fns[key] = fn
-    return fn
+    build = lambda: _raw_module(f"#define SCALAR_KIND {kind}\n" + _gemv_source())  # noqa: E731
+    return _load_function(_gemv_fns, (dev, kind, name), _gemv_modules, (dev, kind), dev, name, build)
 
 
 def _dev_index(device: torch.device) -> int:
@@ -1272,13 +1268,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.
 def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
     args = la.pack(name, args)
     dev = _dev_index(device)
-    fn = _gemv_function(dev, _KIND[dtype], name)
-    stream = _stream(device)
-    if _cp.cuda.runtime.getDevice() != dev:
-        with _cp.cuda.Device(dev):
-            fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
-    else:
-        fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+    _call(_gemv_function(dev, _KIND[dtype], name), dev, grid, block, args, shared_mem, _stream(device))
 
 
 # ---- warm-up ------------------------------------------------------------------------------------------

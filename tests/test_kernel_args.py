@@ -104,3 +104,36 @@ def test_a_reordered_parameter_would_fail():
     src = 'extern "C" __global__ void silu_mul(const float* x, long long xs, float* y, int I, int T) {}'
     ((name, params),) = [(m.group(1), m.group(2)) for m in _KERNEL.finditer(_expand(src))]
     assert [_ctype(p) for p in params.split(",")] != la.field_types(la.BUILDERS[name])
+
+
+def test_every_kernel_opens_with_pdl_enter():
+    """With programmatic dependent launch a kernel may be scheduled before the one before it has finished; only
+    its PDL_ENTER() (griddepcontrol.wait) makes that safe, so it must come before anything else in every kernel,
+    including the ones stamped out by macros."""
+    missing = []
+    for path in sorted(SRC.glob("*.cu")):
+        text = _expand(path.read_text())
+        for m in _KERNEL.finditer(text):
+            if not re.match(r"\s*\{\s*PDL_ENTER\(\);", text[m.end() :]):
+                missing.append(f"{path.name}:{m.group(1)}")
+    assert not missing, f"kernels that do not open with PDL_ENTER(): {missing}"
+    assert len(SIGS) > 40  # the parser saw the kernel families, not a handful
+
+
+def test_the_pdl_launch_structures_have_the_driver_layout():
+    """kernels/pdl.py passes CUlaunchConfig / CUlaunchAttribute to cuLaunchKernelEx by pointer: their sizes and
+    offsets are those of cuda.h on a 64-bit host, and the kernel parameters point at values of the C types."""
+    import ctypes
+
+    import numpy as np
+
+    from kernels import pdl
+
+    assert ctypes.sizeof(pdl.LaunchAttribute) == 72 and pdl.LaunchAttribute.value.offset == 8
+    cfg = pdl.LaunchConfig
+    assert (cfg.sharedMemBytes.offset, cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset) == (24, 32, 40, 48)
+    params, values = pdl.kernel_params((np.uint64(2**40 + 3), np.int32(-7), np.float32(0.25), np.int64(-(2**35))))
+    got = [ctypes.cast(params[i], ctypes.POINTER(type(v))).contents.value for i, v in enumerate(values)]
+    assert got == [2**40 + 3, -7, 0.25, -(2**35)]
+    with pytest.raises(TypeError, match="cannot pass a float"):
+        pdl.kernel_params((1.5,))

@@ -43,6 +43,15 @@ template <> __device__ __forceinline__ f16_t from_f<f16_t>(float f) {
 }
 #endif
 
+// Programmatic dependent launch (kernels/pdl.py): every kernel opens with PDL_ENTER(): let the next kernel of
+// the stream be scheduled, then wait until the previous kernel has completed and its writes are visible. No
+// kernel touches global memory before it. Without the launch attribute (or before sm_90) both do nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_ENTER()
+#endif
+
 __device__ __forceinline__ float to_f(float v) { return v; }
 template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
 
@@ -166,19 +175,23 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
 
 extern "C" __global__ void rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* w, scalar_t* y, int d,
                                       float eps) {
+    PDL_ENTER();
     add_rmsnorm_impl<scalar_t>(x, xs, nullptr, 0, w, y, nullptr, d, eps);
 }
 extern "C" __global__ void rmsnorm_wf(const scalar_t* x, long long xs, const float* w, scalar_t* y, int d,
                                       float eps) {
+    PDL_ENTER();
     add_rmsnorm_impl<float>(x, xs, nullptr, 0, w, y, nullptr, d, eps);
 }
 
 extern "C" __global__ void add_rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* r, long long rs,
                                           const scalar_t* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    PDL_ENTER();
     add_rmsnorm_impl<scalar_t>(x, xs, r, rs, w, y, s, d, eps);
 }
 extern "C" __global__ void add_rmsnorm_wf(const scalar_t* x, long long xs, const scalar_t* r, long long rs,
                                           const float* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    PDL_ENTER();
     add_rmsnorm_impl<float>(x, xs, r, rs, w, y, s, d, eps);
 }
 
@@ -236,7 +249,7 @@ __device__ __forceinline__ void gated_rmsnorm_impl(const scalar_t* __restrict__ 
 
 #define GATED_RMSNORM(NAME, WT, GT)                                                                   \
     extern "C" __global__ void NAME(const scalar_t* x, long long xs, const GT* gate, long long gs,     \
-                                    const WT* w, scalar_t* y, int d, float eps) {                      \
+                                    const WT* w, scalar_t* y, int d, float eps) { PDL_ENTER();                      \
         gated_rmsnorm_impl<WT, GT>(x, xs, gate, gs, w, y, d, eps);                                     \
     }
 GATED_RMSNORM(gated_rmsnorm_ws_gs, scalar_t, scalar_t)
@@ -271,6 +284,18 @@ __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half
 #define ATT_UNROLL 2
 #define ATT_MIN_CHUNK (ATT_WARPS * ATT_UNROLL * 4)  // keys: four steps of every warp of a block
 
+// The keys [b, e) of split s of S for query row t (position start + t: it sees keys 0 .. start + t), each split at
+// least min_chunk keys: the host sizes S for the longest context (it does not know the length inside a captured
+// plan), so at short lengths the last splits find no keys (b >= e) and do no work.
+__device__ __forceinline__ void key_split(const long long* start_ptr, long long start_val, int t, long long max_ctx,
+                                          int S, int s, long long min_chunk, long long& b, long long& e) {
+    const long long start = read_start(start_ptr, start_val);
+    const long long n = ll_max(ll_min(start + t + 1, max_ctx), 0);
+    const long long chunk = ll_max((n + S - 1) / S, min_chunk);
+    b = (long long)s * chunk;
+    e = ll_min(n, b + chunk);
+}
+
 template <int EPL>
 __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                                 const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
@@ -283,15 +308,8 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
     const int S = gridDim.x, T = gridDim.z;
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long start = read_start(start_ptr, start_val);
-    long long n = ll_min(start + t + 1, max_ctx);
-    n = ll_max(n, 0);
-    // At least ATT_MIN_CHUNK keys a split: the host sizes S for the longest context (it does not know the
-    // length inside a captured plan), so at short lengths the last splits find no keys and return at once.
-    long long chunk = (n + S - 1) / S;
-    chunk = ll_max(chunk, ATT_MIN_CHUNK);
-    const long long b = (long long)s * chunk;
-    const long long e = ll_min(n, b + chunk);
+    long long b, e;
+    key_split(start_ptr, start_val, t, max_ctx, S, s, ATT_MIN_CHUNK, b, e);
     const int kvh = h / (Hq / Hkv);
     const long long rstride = (long long)Hkv * D;
     const scalar_t* kb = kc + (long long)kvh * D;
@@ -395,7 +413,7 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
         attn_split_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,             \
                           const scalar_t* vc, const long long* start_ptr, long long start_val, int Hq,      \
                           int Hkv, int D, long long max_ctx, float scale, float* ws_acc, float* ws_ml,      \
-                          scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) {             \
+                          scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) { PDL_ENTER();             \
         attn_split_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, \
                              ws_ml, out, gate, gs0, gs1);                                                  \
     }
@@ -481,15 +499,10 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     const int sub = lane / lpr, li = lane & (lpr - 1);
     const int d0 = li * 8;
     const bool act = d0 < D;
-    const long long start = read_start(start_ptr, start_val);
-    long long n = ll_min(start + t + 1, max_ctx);
-    n = ll_max(n, 0);
     const int lanes_keys = AV_WARPS * rpw;  // keys a block step
     const long long step = (long long)lanes_keys * U;
-    long long chunk = (n + S - 1) / S;
-    chunk = ll_max(chunk, step);
-    const long long b = (long long)s * chunk;
-    const long long e = ll_min(n, b + chunk);
+    long long b, e;
+    key_split(start_ptr, start_val, t, max_ctx, S, s, step, b, e);
     const long long rstride = (long long)Hkv * D;
     const scalar_t* kb = kc + (long long)kvh * D + d0;
     const scalar_t* vb = vc + (long long)kvh * D + d0;
@@ -652,7 +665,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
         attn_vec_u##U##_g##G(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc, const scalar_t* vc, \
                       const long long* start_ptr, long long start_val, int Hq, int Hkv, int D,             \
                       long long max_ctx, float scale, float* ws_acc, float* ws_ml, scalar_t* out,          \
-                      const scalar_t* gate, long long gs0, long long gs1) {                                \
+                      const scalar_t* gate, long long gs0, long long gs1) { PDL_ENTER();                                \
         attn_vec_impl<G, U>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc,    \
                          ws_ml, out, gate, gs0, gs1);                                                      \
     }
@@ -888,7 +901,7 @@ __device__ __forceinline__ void attn_tile_impl(const scalar_t* __restrict__ q, l
         attn_tile_e##EPL(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc,               \
                          const scalar_t* vc, const long long* start_ptr, long long start_val, int T, int Hq, \
                          int Hkv, int D, long long max_ctx, float scale, int vec_ok, float* ws_acc,          \
-                         float* ws_ml, scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) {  \
+                         float* ws_ml, scalar_t* out, const scalar_t* gate, long long gs0, long long gs1) { PDL_ENTER();  \
         attn_tile_impl<EPL>(q, qs0, qs1, kc, vc, start_ptr, start_val, T, Hq, Hkv, D, max_ctx, scale, vec_ok, \
                             ws_acc, ws_ml, out, gate, gs0, gs1);                                            \
     }
@@ -902,6 +915,7 @@ ATTN_TILE(8)
 extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                                         scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
         long long gs0, long long gs1) {
+    PDL_ENTER();
     __shared__ float s_wt[ATT_MAX_SPLITS];
     __shared__ float s_L;
     const int h = blockIdx.x, t = blockIdx.y;
@@ -948,6 +962,7 @@ __device__ __forceinline__ float block_max(float v, float* sh) {
 extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                                             scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
         long long gs0, long long gs1) {
+    PDL_ENTER();
     __shared__ float s_wt[ATT_MAX_SPLITS];
     __shared__ float sh[32];
     const int h = blockIdx.x, t = blockIdx.y;
@@ -1014,12 +1029,12 @@ __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x,
 #define CONV_UPDATE(K)                                                                                     \
     extern "C" __global__ void conv_update_k##K##_ws(const scalar_t* x, long long xs0, scalar_t* ring,     \
                                                      const scalar_t* w, scalar_t* y, const long long* sp,   \
-                                                     long long sv, int T, int C, int n_planes) {           \
+                                                     long long sv, int T, int C, int n_planes) { PDL_ENTER();           \
         conv_update_impl<K, scalar_t>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                         \
     }                                                                                                      \
     extern "C" __global__ void conv_update_k##K##_wf(const scalar_t* x, long long xs0, scalar_t* ring,     \
                                                      const float* w, scalar_t* y, const long long* sp,      \
-                                                     long long sv, int T, int C, int n_planes) {           \
+                                                     long long sv, int T, int C, int n_planes) { PDL_ENTER();           \
         conv_update_impl<K, float>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                            \
     }
 CONV_UPDATE(2)
@@ -1157,7 +1172,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long ks1, const scalar_t* v, long long vs0, long long vs1, const float* g,      \
                         long long gs0, const scalar_t* beta, long long bs0, float* ring, scalar_t* out,      \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
-                        int n_planes, float qscale) {                                                        \
+                        int n_planes, float qscale) { PDL_ENTER();                                                        \
         gdr_impl<DK, scalar_t>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv,  \
                                T, Hk, Hv, dk, dv, n_planes, qscale);                                         \
     }                                                                                                        \
@@ -1166,7 +1181,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long ks1, const scalar_t* v, long long vs0, long long vs1, const float* g,      \
                         long long gs0, const float* beta, long long bs0, float* ring, scalar_t* out,         \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
-                        int n_planes, float qscale) {                                                        \
+                        int n_planes, float qscale) { PDL_ENTER();                                                        \
         gdr_impl<DK, float>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv, T,  \
                             Hk, Hv, dk, dv, n_planes, qscale);                                               \
     }
@@ -1181,6 +1196,7 @@ GDR(128)
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void silu_mul(const scalar_t* __restrict__ x, long long xs, scalar_t* __restrict__ y, int T,
                                     int I) {
+    PDL_ENTER();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)T * I) return;
     const int t = (int)(idx / I), i = (int)(idx - (long long)t * I);
@@ -1198,6 +1214,7 @@ extern "C" __global__ void gdn_gates(const scalar_t* __restrict__ a, long long a
                                      long long bs0, const float* __restrict__ neg_exp_a,
                                      const float* __restrict__ dt_bias, float* __restrict__ g,
                                      scalar_t* __restrict__ beta, int T, int H) {
+    PDL_ENTER();
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= T * H) return;
     const int t = idx / H, h = idx - t * H;
@@ -1276,7 +1293,7 @@ __device__ __forceinline__ void attn_prep_impl(const scalar_t* __restrict__ q, l
                                     long long vs1, const WT* wq, const WT* wk, const float* inv_freq,         \
                                     scalar_t* q_out, scalar_t* kc, scalar_t* vc, const long long* sp,         \
                                     long long sv, int Hq, int Hkv, int D, int half, long long max_ctx,        \
-                                    float eps) {                                                              \
+                                    float eps) { PDL_ENTER();                                                              \
         attn_prep_impl<WT>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, \
                            Hkv, D, half, max_ctx, eps);                                                       \
     }
@@ -1346,6 +1363,7 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
                                           int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
                                           int* __restrict__ pi, long long* __restrict__ tok,
                                           float* __restrict__ prob) {
+    PDL_ENTER();
     const int p = blockIdx.x, P = gridDim.x, row = blockIdx.y;
     const scalar_t* lr = logits + (long long)row * ls0;
     const int b = p * chunk;
@@ -1402,6 +1420,7 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
 extern "C" __global__ void argmax_combine(const float* __restrict__ pm, const float* __restrict__ ps,
                                           const int* __restrict__ pi, int P, long long* __restrict__ tok,
                                           float* __restrict__ prob) {
+    PDL_ENTER();
     const int row = blockIdx.x, lane = threadIdx.x;
     float m = NEG_INF, s = 0.f;
     int idx = I32_MAX;
@@ -1426,6 +1445,7 @@ extern "C" __global__ void argmax_combine(const float* __restrict__ pm, const fl
 extern "C" __global__ void greedy_accept(const long long* __restrict__ drafts, const float* __restrict__ probs,
                                          const long long* __restrict__ target, double p_min,
                                          long long* __restrict__ cache_len, long long* __restrict__ out, int n) {
+    PDL_ENTER();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int nv = 0;
     while (nv < n && (double)probs[nv] >= p_min) ++nv;

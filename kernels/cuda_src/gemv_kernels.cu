@@ -26,6 +26,15 @@
 //                         are fed to the mma's k-slots of that thread directly (the same permutation of k for
 //                         W and x), so every load is a 16-byte vector, no shuffles, no shared-memory staging.
 
+// Programmatic dependent launch (kernels/pdl.py): every kernel opens with PDL_ENTER(): let the next kernel of
+// the stream be scheduled, then wait until the previous kernel has completed and its writes are visible. No
+// kernel touches global memory before it. Without the launch attribute (or before sm_90) both do nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_ENTER()
+#endif
+
 #ifndef SCALAR_KIND
 #define SCALAR_KIND 0
 #endif
@@ -242,7 +251,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32)                                              \
         gemv_simt_m##GV_MB##_c##GV_C(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, \
                                      long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,   \
-                                     int N, int K, int kchunk, int vec_ok) {                                      \
+                                     int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                      \
         gv_simt<GV_MB, GV_C>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok);                                  \
     }
 GEMV_SIMT(1, 1)
@@ -400,7 +409,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32)                                              \
         gemv_tc_t##GV_MT##_c##GV_CT(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,  \
                                     long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,    \
-                                    int N, int K, int kchunk, int vec_ok) {                                       \
+                                    int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                       \
         (void)vec_ok;                                                                                             \
         gv_tc<GV_MT, GV_CT>(x, xs, w, wsr, out, part, M, N, K, kchunk);                                           \
     }
@@ -414,6 +423,7 @@ GEMV_TC(3, 2)
 // ---- split-K combine ----------------------------------------------------------------------------------------
 // out[i] = sum over s of part[s * MN + i], in split order, rounded once. grid ceil(MN / 256), block 256.
 extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t* __restrict__ out, int S, int MN) {
+    PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= MN) return;
     float sum = 0.f;

@@ -12,6 +12,15 @@
 //
 // `start` convention as in decode_kernels.cu: (const long long* start_ptr, long long start_val).
 
+// Programmatic dependent launch (kernels/pdl.py): every kernel opens with PDL_ENTER(): let the next kernel of
+// the stream be scheduled, then wait until the previous kernel has completed and its writes are visible. No
+// kernel touches global memory before it. Without the launch attribute (or before sm_90) both do nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_ENTER()
+#endif
+
 #define SK_THREADS 1024
 #define SK_WARPS (SK_THREADS / 32)
 #define SK_NEG_INF __int_as_float(0xff800000)
@@ -79,6 +88,7 @@ __device__ float block_sum(float v, float* red) {
 extern "C" __global__ void sample_probs_rows(const float* __restrict__ logits, long long ls0, int n, float temperature,
                                              int top_k, float top_p, float min_p, float* __restrict__ out,
                                              long long os0) {
+    PDL_ENTER();
     __shared__ float red[SK_WARPS];
     __shared__ unsigned int hist[256];
     __shared__ unsigned long long hmass[256];
@@ -280,6 +290,7 @@ extern "C" __global__ void sample_token_rows(const float* __restrict__ probs, lo
                                              const long long* __restrict__ seed, const long long* start_ptr,
                                              long long start_val, int slot, int purpose, long long* __restrict__ tok,
                                              float* __restrict__ prob) {
+    PDL_ENTER();
     __shared__ float wsum[2 * SK_WARPS];
     __shared__ int pick[2];
     const int row = blockIdx.x;
@@ -315,6 +326,7 @@ extern "C" __global__ void spec_accept_k(const long long* __restrict__ drafts, c
                                          double p_min, const long long* __restrict__ seed, const long long* start_ptr,
                                          long long start_val, long long* __restrict__ cache_len,
                                          long long* __restrict__ out) {
+    PDL_ENTER();
     __shared__ float wsum[2 * SK_WARPS];
     __shared__ int pick[2];
     __shared__ int sh_k, sh_nv;
@@ -369,6 +381,7 @@ extern "C" __global__ void synthetic_accept_k(const long long* __restrict__ draf
                                               const long long* __restrict__ seed, const long long* start_ptr,
                                               long long start_val, long long* __restrict__ cache_len,
                                               long long* __restrict__ out) {
+    PDL_ENTER();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     const long long sd = seed[0];
     const long long pos = sk_start(start_ptr, start_val);

@@ -1,0 +1,117 @@
+"""Programmatic dependent launch (PDL) for SpecDeck's CuPy kernels.
+
+A decode step is a chain of a few hundred small kernels, each waiting for the one before it to finish and its
+blocks to drain before its own blocks are even scheduled. With PDL (compute capability 9.0+) a kernel launched
+with the "programmatic stream serialization" attribute may be scheduled while the kernel before it still runs;
+it then waits inside, at `griddepcontrol.wait`, until that kernel has completed and its writes are visible.
+Every kernel in `cuda_src/*.cu` opens with `PDL_ENTER()` (let the next kernel be scheduled, then wait for the
+previous one), so no kernel touches memory before its predecessor is done: PDL changes when blocks are
+scheduled, never what they compute. A kernel launched without the attribute passes both instructions at once.
+
+CuPy launches through `cuLaunchKernel`, which takes no attributes; this module calls the driver's
+`cuLaunchKernelEx` through ctypes with the loaded kernel's CUfunction. It is used while a plan (CUDA graph) is
+being captured, where the attribute becomes a programmatic edge of the graph and the ctypes cost is paid once;
+eager launches keep CuPy's faster path. Off by default: `kernels.cuda.set_pdl(True)` (bench/gpu_bench.py's
+section `pdl` measures both in one run). Needs no GPU to import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: a 4-byte id, padding to 8, then a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig, in the order of cuda.h."""
+
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(LaunchAttribute)),
+        ("numAttrs", ctypes.c_uint),
+    ]
+
+
+_CTYPE_OF = {
+    np.uint64: ctypes.c_uint64,
+    np.int64: ctypes.c_int64,
+    np.int32: ctypes.c_int32,
+    np.float32: ctypes.c_float,
+    np.float64: ctypes.c_double,
+}
+
+_lock = threading.Lock()
+_driver: list = []  # [cuLaunchKernelEx] once loaded, [None] when the driver has none
+
+
+def _launch_kernel_ex():
+    """The driver's cuLaunchKernelEx, or None (no libcuda, or a driver older than CUDA 12)."""
+    if not _driver:
+        with _lock:
+            if not _driver:
+                fn = None
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                    fn = lib.cuLaunchKernelEx
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [
+                        ctypes.POINTER(LaunchConfig),
+                        ctypes.c_void_p,
+                        ctypes.POINTER(ctypes.c_void_p),
+                        ctypes.c_void_p,
+                    ]
+                except (OSError, AttributeError):
+                    fn = None
+                _driver.append(fn)
+    return _driver[0]
+
+
+def available() -> bool:
+    return _launch_kernel_ex() is not None
+
+
+def kernel_params(args: Sequence) -> tuple[ctypes.Array, list]:
+    """The `void** kernelParams` array for packed launch arguments (numpy scalars, launch_args.pack), and
+    the ctypes values it points to (keep them alive until the launch returns)."""
+    values = []
+    for a in args:
+        ctype = _CTYPE_OF.get(type(a))
+        if ctype is None:
+            raise TypeError(f"cannot pass a {type(a).__name__} to a kernel launched with PDL")
+        values.append(ctype(a.item()))
+    params = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    return params, values
+
+
+def launch(function_ptr: int, grid, block, args: Sequence, shared_mem: int, stream_ptr: int) -> None:
+    """Launch a loaded kernel (its CUfunction) with programmatic stream serialization on `stream_ptr`."""
+    fn = _launch_kernel_ex()
+    if fn is None:
+        raise RuntimeError("cuLaunchKernelEx is not available in this CUDA driver")
+    grid = (*tuple(grid), 1, 1)[:3]
+    block = (*tuple(block), 1, 1)[:3]
+    attr = LaunchAttribute()
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.memmove(ctypes.addressof(attr) + LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    config = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), ctypes.pointer(attr), 1)
+    params, _keep = kernel_params(args)
+    err = fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
