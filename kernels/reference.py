@@ -249,8 +249,9 @@ def chunk_gated_delta_rule(
     ut = (k_beta @ key.transpose(-1, -2)) * pair
     intra = (query @ key.transpose(-1, -2)) * pair
     dk_beta = k_beta * cum.exp()[..., None]
-    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(ut, dk_beta, upper=False, unitriangular=True)
+    # one triangular solve for both right-hand sides (one launch, not two)
+    both = torch.linalg.solve_triangular(ut, torch.cat((v_beta, dk_beta), -1), upper=False, unitriangular=True)
+    new_v, k_cum = both[..., :dv], both[..., dv:]
     query = query * cum.exp()[..., None]
     key = key * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, nc, 1, 1]
