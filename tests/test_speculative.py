@@ -143,7 +143,9 @@ def test_rollback_then_replay_equals_never_advanced(eng):
     expected = [_logits_step(eng, ref_state, t) for t in batch[-3:]]
     for got, want in zip(replay, expected):
         assert torch.isfinite(got).all()
-        assert (got - want).abs().max().item() < 1e-5
+        # fp32, the replay through the recurrent form against a prefill through the chunked form: the same
+        # sums in another order (a stale or clamped plane differs by orders of magnitude more)
+        assert (got - want).abs().max().item() < 1e-5 * max(1.0, want.abs().max().item())
 
 
 def _with_clamped_planes_bug(st) -> None:
