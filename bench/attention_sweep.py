@@ -26,9 +26,9 @@ CONTEXTS = [1024, 8192, 32768, 131072]
 HQ, HKV, D, SLOTS = 16, 4, 256, 131584
 # (form, blocks a SM, vec's unroll)
 FORMS = {
-    1: [("vec", 4, 2), ("vec", 4, 4), ("vec", 8, 2), ("warp", 8, 0)],
-    4: [("tile", 2, 0), ("vec", 4, 2), ("vec", 8, 2)],
-    16: [("tile", 2, 0), ("vec", 4, 2), ("vec", 8, 2)],
+    1: [("vec", 4, 2), ("vecb", 4, 2), ("vec", 4, 4), ("warp", 8, 0)],
+    4: [("tile", 2, 0), ("vec", 4, 2), ("vecb", 4, 2)],
+    16: [("tile", 2, 0), ("vec", 4, 2), ("vecb", 4, 2)],
 }
 
 
@@ -55,7 +55,7 @@ def set_form(impl: str, blocks: int, unroll: int) -> None:
     C._ATT_IMPL = impl
     if impl == "warp":
         C._ATT_WARP_BLOCKS_PER_SM = blocks
-    elif impl == "vec":
+    elif impl in ("vec", "vecb"):
         C._ATT_VEC_BLOCKS_PER_SM = blocks
         C._ATT_VEC_UNROLL = unroll
     else:
@@ -116,7 +116,7 @@ def main() -> int:
             G.say(f"best at T={t}: {top[1]} at {top[2]} blocks/SM" + (f", unroll {top[3]}" if top[3] else ""))
         one = best(res, 1)
         set_form(*one[1:])
-        C._ATT_IMPL = "auto" if one[1] == "vec" else one[1]
+        C._ATT_IMPL = "auto" if one[1] == "vec" else one[1]  # "vecb" or another form: forced for every width
         G.say()
         decode_by_context()
     finally:

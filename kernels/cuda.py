@@ -344,6 +344,7 @@ _ATT_MAX_KERNEL_ROWS = 64
 # "tile": K/V tiles in shared memory shared by all query rows of a kv head;
 # "warp": one block per (query row, head) and key split, a warp per key;
 # "vec": one block per (query row, kv head) and key split serving the kv head's query heads, 16-byte loads;
+# "vecb": "vec" with the butterfly reduction (4 query heads a kv head, head_dim 129..256; else "vec");
 # "auto" (default): "vec" up to _ATT_VEC_MAX_ROWS query rows where its shape limits allow (else "warp" for
 # one row), "tile" for more (bench/profile_9b.py times both per shape, T and context).
 _ATT_IMPL = "auto"
@@ -379,13 +380,13 @@ def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
     return max(1, min(want, cap, _ATT_MAX_SPLITS))
 
 
-def _att_vec_splits(device: torch.device, t: int, hkv: int, d: int, max_keys: int) -> int:
+def _att_vec_splits(device: torch.device, t: int, hkv: int, d: int, max_keys: int, unroll: int | None = None) -> int:
     """Key splits per (row, kv head) of the "vec" kernel: about _ATT_VEC_BLOCKS_PER_SM blocks per SM, each
     split at least _ATT_VEC_MIN_STEPS block steps of keys (a step: 4 warps x 32 / LPR keys x the unroll)."""
     lpr = 1
     while lpr * 8 < d:
         lpr *= 2
-    step = 4 * (32 // lpr) * _ATT_VEC_UNROLL
+    step = 4 * (32 // lpr) * (unroll or _ATT_VEC_UNROLL)
     want = max(_ATT_VEC_MIN_SPLITS, -(-_ATT_VEC_BLOCKS_PER_SM * _sms(device) // (t * hkv)))
     cap = max(1, -(-max_keys // (_ATT_VEC_MIN_STEPS * step)))
     return max(1, min(want, cap, _ATT_MAX_SPLITS))
@@ -462,9 +463,14 @@ def attention_cached(
         impl = "vec"
     else:
         impl = "warp" if t == 1 else "tile"
+    if impl == "vecb" and not (vec_fits and groups_of == 4 and 128 < d <= 256):
+        impl = "vec"
     if impl == "vec" and not vec_fits:
         impl = "warp"
-    if impl == "vec":
+    if impl == "vecb":
+        splits = _att_vec_splits(q.device, t, hkv, d, max_keys, unroll=2)
+        grid, name = (splits, hkv, t), "attn_vecb_u2_g4"
+    elif impl == "vec":
         splits = _att_vec_splits(q.device, t, hkv, d, max_keys)
         grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
     elif impl == "tile":

@@ -111,6 +111,7 @@ AttnSplitArgs = builder(
     ),
     *(f"attn_split_e{e}" for e in (1, 2, 4, 8)),
     *(f"attn_vec_u{u}_g{g}" for u in (2, 4) for g in (1, 2, 4, 8)),
+    "attn_vecb_u2_g4",
 )
 AttnTileArgs = builder(
     "AttnTileArgs",

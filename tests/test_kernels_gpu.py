@@ -151,7 +151,7 @@ def test_gated_rmsnorm(kc, dtype, hv, dv, t):
 
 # ---- attention -------------------------------------------------------------------------------------
 ATT_SHAPES = [(4, 2, 16), (6, 2, 64), (16, 4, 256), (8, 8, 128), (4, 1, 96), (2, 2, 20)]
-ATT_IMPLS = ["tile", "warp", "vec"]  # kernels.cuda._ATT_IMPL forced to each form ("auto" picks one per call)
+ATT_IMPLS = ["tile", "warp", "vec", "vecb"]  # kernels.cuda._ATT_IMPL forced to each form ("auto" picks one per call)
 
 
 @pytest.mark.gpu

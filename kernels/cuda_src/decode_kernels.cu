@@ -481,7 +481,49 @@ __device__ __forceinline__ float raw8_at(const Raw8& v, int i) {
 #endif
 }
 
-template <int G, int U>
+// The butterfly form of a vec step for 4 query heads and 2 key steps with a key row across the whole warp
+// (LPR 32): the 8 partial dots are reduce-scattered over the lanes (9 shuffles instead of 40; lane L ends with
+// the full dot of value L >> 2 = u * 4 + g), each lane takes the exponent of its own value only (1 instead of
+// 8), and the probabilities and new maxima are broadcast back (12 shuffles). `m` is the running max per head
+// (the same in every lane); out: p_all[u][g] (0 for a masked key) and mx_all[g], the new max of head g.
+__device__ __forceinline__ void butterfly_step(const float (&sc)[2][4], const bool (&ok)[2], const float (&m)[4],
+                                               int lane, float (&p_all)[2][4], float (&mx_all)[4]) {
+    const unsigned full = 0xffffffffu;
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+    float c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // keep the values whose bit 2 is b4, send the others
+        const float send = b4 ? sc[0][i] : sc[1][i];
+        const float keep = b4 ? sc[1][i] : sc[0][i];
+        c[i] = keep + __shfl_xor_sync(full, send, 16);
+    }
+    float d[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // then bit 1 by b3
+        const float send = b3 ? c[i] : c[i + 2];
+        const float keep = b3 ? c[i + 2] : c[i];
+        d[i] = keep + __shfl_xor_sync(full, send, 8);
+    }
+    float e = (b2 ? d[1] : d[0]) + __shfl_xor_sync(full, b2 ? d[0] : d[1], 4);  // then bit 0 by b2
+    e += __shfl_xor_sync(full, e, 2);
+    e += __shfl_xor_sync(full, e, 1);
+    // this lane's value: key step u = b4, head g = 2 * b3 + b2
+    const int g = (b3 ? 2 : 0) + (b2 ? 1 : 0);
+    const bool okl = b4 ? ok[1] : ok[0];
+    const float sv = okl ? e : NEG_INF;
+    const float mg = g == 0 ? m[0] : g == 1 ? m[1] : g == 2 ? m[2] : m[3];
+    const float mx = fmaxf(mg, fmaxf(sv, __shfl_xor_sync(full, sv, 16)));  // the same head's other key
+    const float p = okl ? exp2f(e - mx) : 0.f;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) p_all[u][h] = __shfl_sync(full, p, ((u << 2) | h) << 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 4; ++h) mx_all[h] = __shfl_sync(full, mx, h << 2);
+}
+
+template <int G, int U, bool BF>
 __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                               const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
                                               const long long* start_ptr, long long start_val, int Hq, int Hkv,
@@ -560,6 +602,25 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
                 for (int i = 0; i < 8; ++i) dot += qv[g][i] * raw8_at(kr[u], i);
                 sc[u][g] = dot;
             }
+        }
+        if constexpr (BF) {  // G == 4, U == 2, LPR == 32 (the host's condition)
+            float p_all[2][4], mx_all[4];
+            butterfly_step(sc, ok, m, lane, p_all, mx_all);
+#pragma unroll
+            for (int g = 0; g < 4; ++g) {
+                if (mx_all[g] > m[g]) {
+                    const float corr = exp2f(m[g] - mx_all[g]);
+                    l[g] *= corr;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] *= corr;
+                    m[g] = mx_all[g];
+                }
+                l[g] += p_all[0][g] + p_all[1][g];
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    acc[g][i] += p_all[0][g] * raw8_at(vr[0], i) + p_all[1][g] * raw8_at(vr[1], i);
+            }
+            continue;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -665,9 +726,9 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
         attn_vec_u##U##_g##G(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc, const scalar_t* vc, \
                       const long long* start_ptr, long long start_val, int Hq, int Hkv, int D,             \
                       long long max_ctx, float scale, float* ws_acc, float* ws_ml, scalar_t* out,          \
-                      const scalar_t* gate, long long gs0, long long gs1) { PDL_ENTER();                                \
-        attn_vec_impl<G, U>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc,    \
-                         ws_ml, out, gate, gs0, gs1);                                                      \
+                      const scalar_t* gate, long long gs0, long long gs1) { PDL_ENTER();                   \
+        attn_vec_impl<G, U, false>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, \
+                                  ws_ml, out, gate, gs0, gs1);                                             \
     }
 ATTN_VEC(1, 2)
 ATTN_VEC(1, 4)
@@ -677,6 +738,18 @@ ATTN_VEC(4, 2)
 ATTN_VEC(4, 4)
 ATTN_VEC(8, 2)
 ATTN_VEC(8, 4)
+
+// The butterfly form (butterfly_step): 4 query heads a kv head, head_dim 129..256, key steps of 2. At least 4
+// blocks a SM (128 registers; 157 unbounded, 3 blocks a SM, measured with nvcc 13 -Xptxas -v, no spills).
+extern "C" __global__ void __launch_bounds__(AV_WARPS * 32, 4)
+    attn_vecb_u2_g4(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc, const scalar_t* vc,
+                    const long long* start_ptr, long long start_val, int Hq, int Hkv, int D, long long max_ctx,
+                    float scale, float* ws_acc, float* ws_ml, scalar_t* out, const scalar_t* gate, long long gs0,
+                    long long gs1) {
+    PDL_ENTER();
+    attn_vec_impl<4, 2, true>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, ws_ml,
+                              out, gate, gs0, gs1);
+}
 
 // attention_cached, tiled form (the default): grid (S splits, Hkv, row groups); 4 warps per block.
 // A block owns up to RB = 4 * RPW query rows of ONE kv head (rows r = t * rep + (h % rep), so the T query
