@@ -620,8 +620,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
                 for (int i = 0; i < 8; ++i)
                     acc[g][i] += p_all[0][g] * raw8_at(vr[0], i) + p_all[1][g] * raw8_at(vr[1], i);
             }
-            continue;
-        }
+        } else {  // the general form: every lane reduces and weighs every value
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             if (o < lpr) {  // uniform over the warp: a row's lanes sum their partial dots
@@ -658,6 +657,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
                 for (int u = 0; u < U; ++u) a += p[u] * raw8_at(vr[u], i);
                 acc[g][i] = a;
             }
+        }
         }
     }
     // merge the key streams of a warp (lanes with the same features, other keys)
