@@ -255,24 +255,28 @@ def chunk_gated_delta_rule(
     query = query * cum.exp()[..., None]
     key = key * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, nc, 1, 1]
-    # The only sequential part: the state entering each chunk. Chunk-major copies make every per-chunk slice
-    # one contiguous batch of Hv matrices, so a chunk costs three launches (the corrected values, the decay,
-    # the state update in place) instead of one per elementwise step; the outputs of all chunks are then two
-    # batched products over the states kept per chunk (nc + 1 states of Hv x dk x dv: ~64 MiB at 32 heads,
-    # 128 x 128 and 2048 tokens, what the pass already holds in its chunk-sized activations).
-    k_cum_c = k_cum.transpose(0, 1).contiguous()  # [nc, Hv, C, dk]
-    key_t = key.transpose(-1, -2).transpose(0, 1).contiguous()  # [nc, Hv, dk, C]
-    decay_c = chunk_decay.transpose(0, 1).contiguous()  # [nc, Hv, 1, 1]
-    v_new = new_v.transpose(0, 1).contiguous()  # [nc, Hv, C, dv]: corrected in place, chunk by chunk
+    # The only sequential part is the state entering each chunk: S_{i+1} = decay_i S_i + K_i^T (U_i - W_i S_i)
+    # = A_i S_i + B_i with A_i = decay_i I - K_i^T W_i and B_i = K_i^T U_i (K: the decay-weighted keys, W: k_cum,
+    # U: new_v). A and B of every chunk are two batched products; the recurrence is then one launch a chunk;
+    # the corrected values and the outputs of all chunks are three batched products over the kept states.
+    # Held at once: nc + 1 states, A and B (Hv x 128 x 128 fp32 each a chunk: ~200 MiB at 32 heads and 2048
+    # tokens, bounded by the prefill chunk, not by the prompt).
+    w_c = k_cum.transpose(0, 1)  # [nc, Hv, C, dk]
+    key_t = key.transpose(-1, -2).transpose(0, 1)  # [nc, Hv, dk, C]
+    u_c = new_v.transpose(0, 1)  # [nc, Hv, C, dv]
+    a_mat = torch.matmul(key_t, w_c).neg_()  # [nc, Hv, dk, dk]
+    a_mat.diagonal(dim1=-2, dim2=-1).add_(chunk_decay.transpose(0, 1)[..., 0])
+    b_mat = torch.matmul(key_t, u_c)  # [nc, Hv, dk, dv]
     states = torch.empty((nc + 1, hv, dk, dv), dtype=torch.float32, device=q.device)
     states[0] = state_ring[start % n]
     for i in range(nc):
-        v_new[i].baddbmm_(k_cum_c[i], states[i], alpha=-1.0)  # new_v - k_cum @ S
-        torch.mul(states[i], decay_c[i], out=states[i + 1])
-        states[i + 1].baddbmm_(key_t[i], v_new[i])  # S * decay + key^T @ v_new
+        torch.baddbmm(b_mat[i], a_mat[i], states[i], out=states[i + 1])
+    s_in = states[:nc]  # [nc, Hv, dk, dv]: the state entering each chunk
+    v_new = (u_c - torch.matmul(w_c, s_in)).transpose(0, 1)  # [Hv, nc, C, dv]
+    s_in = s_in.transpose(0, 1)
     state_ring[(start + t) % n] = states[nc]
     s_in = states[:nc].transpose(0, 1)  # [Hv, nc, dk, dv]: the state entering each chunk
-    out = torch.matmul(query, s_in) + torch.matmul(intra, v_new.transpose(0, 1))
+    out = torch.matmul(query, s_in) + torch.matmul(intra, v_new)
     out = out.reshape(hv, -1, dv)[:, :t].transpose(0, 1)
     return out.to(v.dtype).contiguous()
 
