@@ -433,10 +433,15 @@ class Engine:
             self.cluster.close()  # which runs release_plans first (cluster.before_close)
 
     def release_plans(self) -> None:
-        """Drop every live session's captured plans (they are captured again at next use) and wait for the
-        device: nothing of this rank is in flight afterwards."""
+        """Drop every live session's captured plans (they are captured again at next use), collect dropped
+        sessions still held by reference cycles (their plans too), and wait for the device. NCCL's
+        communicator cannot be destroyed while a graph that captured one of its collectives exists: its
+        destroy waits for those graphs' references to go (pytorch/pytorch#115388)."""
+        import gc
+
         for sess in self._sessions():
             sess.plans.clear()
+        gc.collect()
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
 
