@@ -375,7 +375,7 @@ def section_pdl(model_dir: Path, n: int) -> None:
         tokens = []
         try:
             for on in (False, True, False, True):
-                C.set_pdl(on)
+                eng.set_model_option("pdl", on)
                 sess = eng.new_session()
                 eng.generate(prompt, 16, settings, sess)  # captures this session's plans, with PDL or not
                 sess.reset()
@@ -383,7 +383,7 @@ def section_pdl(model_dir: Path, n: int) -> None:
                 rates[on].append(out.stats["tokens_per_second"])
                 tokens.append(out.tokens)
         finally:
-            C.set_pdl(False)
+            eng.set_model_option("pdl", False)
         return max(rates[False]), max(rates[True]), all(t == tokens[0] for t in tokens)
 
     def row(what: str, off: float, on: float, same: bool) -> None:

@@ -147,9 +147,13 @@ def run_9b(devices: list[str], n: int) -> None:
     one = random_9b_engine([devices[0]])
     target = EngineSettings(speculative=False, plan_pool=8)
     t1, _ = tps(one, target, n)
+    one.set_model_option("pdl", True)
+    t1_pdl, _ = tps(one, target, n) if one.model.pdl else (0.0, None)
     del one
     torch.cuda.empty_cache()
     say(f"1 GPU                         {t1:9.1f} t/s")
+    if t1_pdl:
+        say(f"1 GPU, PDL                    {t1_pdl:9.1f} t/s  {t1_pdl / t1:5.2f}x")
     # The bound of a 2-way split without communication: one rank's shapes (half the heads and MLP
     # columns, the whole head as with mirror on) on one GPU, no all-reduce at all.
     half = {
@@ -171,9 +175,16 @@ def run_9b(devices: list[str], n: int) -> None:
         ("mirror on", target),
         ("mirror off (distributed argmax)", target.replace(mirror_output=False)),
         ("no plans (plan_pool=0, eager)", target.replace(plan_pool=0)),
+        ("mirror on, PDL (kernels/pdl.py)", None),
     ):
+        if settings is None:
+            tp.set_model_option("pdl", True)
+            if not tp.model.pdl:
+                continue
+            settings = target
         t, runs = tps(tp, settings, n)
         say(f"2 GPUs {label:<32} {t:9.1f} t/s  {t / t1:5.2f}x")
+    tp.set_model_option("pdl", False)
     say()
     say("== all-reduce inside a captured graph, [rows, 4096] bf16, microseconds per call (timed at load) ==")
     table = tp.collectives.get("table_us") or {}

@@ -66,6 +66,7 @@ class Model:
         # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
         self.mirror = False
         self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
+        self.pdl = False  # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py)
         self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:
             full = weights.pop("lm_head.weight")
@@ -384,9 +385,19 @@ class Model:
         self._head_version += 1
 
     def set_option(self, name: str, value) -> None:
-        """Model options that are not user knobs (the bench's "gather" combine; the sub-vocab order)."""
+        """Model options that are not user knobs (the bench's "gather" combine; the sub-vocab order; PDL)."""
         if name == "sub_vocab_order":
             self.set_sub_vocab_order(value)
+            return
+        if name == "pdl":  # on where the driver and GPU allow it (sm_90+), for plans captured from now on
+            if not isinstance(value, bool):
+                raise ValueError(f"model option pdl takes True or False, got {value!r}")
+            on = False
+            if self.device.type == "cuda":
+                from kernels import cuda as kcuda
+
+                on = kcuda.set_pdl(value)
+            self.pdl = on
             return
         if name != "combine" or value not in ("argmax", "gather"):
             raise ValueError(f"unknown model option {name}={value!r}")
@@ -396,6 +407,7 @@ class Model:
     def plan_tag(self) -> tuple:
         """Anything beyond the batch shape that a captured plan depends on."""
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
+        tag = (*tag, "pdl") if self.pdl else tag
         return (*tag, self._head_version) if self._head_version else tag
 
     @property

@@ -137,3 +137,11 @@ def test_the_pdl_launch_structures_have_the_driver_layout():
     assert got == [2**40 + 3, -7, 0.25, -(2**35)]
     with pytest.raises(TypeError, match="cannot pass a float"):
         pdl.kernel_params((1.5,))
+
+
+def test_the_pdl_model_option_is_off_on_the_cpu_and_takes_only_a_bool(tiny_engine):
+    tiny_engine.set_model_option("pdl", True)
+    assert tiny_engine.model.pdl is False  # nothing to launch with it on the CPU: plans keep their key
+    assert "pdl" not in tiny_engine.model.plan_tag
+    with pytest.raises(ValueError, match="pdl takes True or False"):
+        tiny_engine.set_model_option("pdl", "yes")
