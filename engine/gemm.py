@@ -133,6 +133,16 @@ class GemvProducts:
         choice = self.choice(x.shape[0], w)
         return F.linear(x, w) if choice == "cublas" else ops.gemv(x, w, choice)
 
+    def add_rmsnorm(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rmsnorm(self(x, w), residual, weight, eps): one fused op where the product runs a gemv kernel."""
+        if self.takes(x, w):
+            choice = self.choice(x.shape[0], w)
+            if choice != "cublas":
+                return ops.gemv_add_rmsnorm(x, w, residual, weight, eps, choice)
+        return ops.add_rmsnorm(self(x, w), residual, weight, eps)
+
     def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
         """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured
         ("auto"; inside a graph capture the default launch, measured at the next eager use)."""

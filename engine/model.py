@@ -173,10 +173,21 @@ class Model:
         return g.reduce_symmetric(out)
 
     # ---- layers -----------------------------------------------------------------------------
+    def proj_add_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row-parallel projection whose output joins the residual stream, and the norm after it:
+        add_rmsnorm(row_parallel(x, weight), residual, norm_weight) -> (normed, new residual). On one GPU with a
+        gemv kernel making the product, one fused op (the split-K combine, the add and the norm in one launch,
+        bit for bit the same)."""
+        if self._gemv is not None and not self.group.active:
+            return self._gemv.add_rmsnorm(x, weight, residual, norm_weight, eps)
+        return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)
+
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """The MLP up to its down projection (which proj_add_norm makes)."""
         w = self.w
-        h = ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"]))
-        return self.row_parallel(h, w[p + "mlp.down_proj.weight"])
+        return ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"]))
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -202,8 +213,8 @@ class Model:
             v_cache,
             start,
         )
-        out = ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate)
-        return self.row_parallel(out.reshape(t, -1), w[p + "self_attn.o_proj.weight"])
+        # up to the output projection (which proj_add_norm makes)
+        return ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate).reshape(t, -1)
 
     def _delta_net(
         self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
@@ -221,8 +232,8 @@ class Model:
         g, beta = ops.gdn_gates(a, b, w[p + "neg_exp_A"], w[p + "dt_bias"])
         rule = ops.gated_delta_rule if recurrent else ops.chunk_gated_delta_rule
         o = rule(q, k, v, g, beta, state.delta_planes[i], start)
-        o = ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps)
-        return self.row_parallel(o.reshape(t, hv * dv), w[p + "out_proj.weight"])
+        # up to the output projection (which proj_add_norm makes)
+        return ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps).reshape(t, hv * dv)
 
     # ---- target -----------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, state: SessionState) -> torch.Tensor:
@@ -253,13 +264,15 @@ class Model:
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
             if kind == "full_attention":
-                m = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
+                a = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
+                out_w = w[p + "self_attn.o_proj.weight"]
             else:
-                m = self._delta_net(i, h, state, start, recurrent)
-            h, residual = ops.add_rmsnorm(m, residual, w[p + "post_attention_layernorm.weight"], eps)
+                a = self._delta_net(i, h, state, start, recurrent)
+                out_w = w[p + "linear_attn.out_proj.weight"]
+            h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = ops.add_rmsnorm(self._mlp(p, h), residual, next_norm, eps)
+            h, residual = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], residual, next_norm, eps)
         return h
 
     def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,10 +468,17 @@ class Model:
         e = ops.rmsnorm(F.embedding(tokens, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
         hn = ops.rmsnorm(hiddens, w["mtp.pre_fc_norm_hidden.weight"], eps)
         x = self.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
-        for j in range(len(state.mtp_k_cache)):
+        layers = len(state.mtp_k_cache)
+        if not layers:
+            return ops.rmsnorm(x, w["mtp.norm.weight"], eps)
+        h = ops.rmsnorm(x, w["mtp.layers.0.input_layernorm.weight"], eps)
+        for j in range(layers):
             p = f"mtp.layers.{j}."
-            h = ops.rmsnorm(x, w[p + "input_layernorm.weight"], eps)
-            h = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
-            h, x = ops.add_rmsnorm(h, x, w[p + "post_attention_layernorm.weight"], eps)
-            x = x + self._mlp(p, h)
-        return ops.rmsnorm(x, w["mtp.norm.weight"], eps)
+            a = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
+            h, x = self.proj_add_norm(
+                a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], eps
+            )
+            # x + MLP(h), then the next layer's input norm, or the final one: one add_rmsnorm
+            nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
+            h, x = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], x, nxt, eps)
+        return h

@@ -256,6 +256,9 @@ def _heads(name: str, x: torch.Tensor) -> dict[str, torch.Tensor | int]:
     return {name: x, f"{name}s0": x.stride(0), f"{name}s1": x.stride(1)}
 
 
+_NORM_REG = 8  # elements a thread keeps in registers in the norm kernels (NORM_REG in decode_kernels.cu)
+
+
 def _norm_threads(d: int) -> int:
     return min(1024, max(32, ((d + 7) // 8 + 31) // 32 * 32))
 
@@ -1231,9 +1234,57 @@ def gemv_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0]:
         return _fallback("gemv", x)(x, w, variant)
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part, splits = _gemv_main(x, w, variant, out, partials=False)
+    if part is not None:
+        combine = la.GemvCombineArgs(part=part, out=out, S=splits, MN=m * n)
+        _launch_gemv("gemv_combine", x.dtype, x.device, (-(-(m * n) // 256),), (256,), combine)
+    return out
+
+
+def gemv_add_rmsnorm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gemv kernel writing fp32 partials (one split or more), then one launch that combines them, adds the
+    residual and norms: bit for bit gemv -> add_rmsnorm, one launch fewer where the product splits K, and the
+    projection's output never stored in the activation dtype."""
+    m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
+    if (
+        not gemv_takes(x, w)
+        or not gemv_kernels(x.device, x.dtype)[0]
+        or not _cuda_ok(residual, weight)
+        or residual.shape != (m, n)
+        or residual.dtype != x.dtype
+        or residual.stride(1) != 1
+        or weight.numel() != n
+        or n > _NORM_REG * 1024
+    ):
+        return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
+    part, splits = _gemv_main(x, w, variant, None, partials=True)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    wt, ws = _aux(weight, x.dtype)
+    args = la.CombineAddRmsNormArgs(
+        part=part, S=splits, r=residual, rs=residual.stride(0), w=wt, y=y, s=s, d=n, eps=eps
+    )
+    _launch(f"combine_add_rmsnorm_w{ws}", x.dtype, x.device, (m,), (_norm_threads(n),), args)
+    return y, s
+
+
+def _gemv_main(
+    x: torch.Tensor, w: torch.Tensor, variant: str | None, out: torch.Tensor | None, partials: bool
+) -> tuple[torch.Tensor | None, int]:
+    """Launch the gemv kernel of `variant` (None or unusable here: the default) for x @ w^T: into `out`, or into
+    fp32 partials [splits, M, N] (returned) when it splits K or `partials` asks for them. Returns (partials or
+    None, splits)."""
     m, k = x.shape
     n = w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     vec_ok = _gemv_vec_ok(x, w)
     parsed = registry.parse_gemv_variant(variant) if variant is not None else None
     if variant is not None and parsed is None:
@@ -1250,7 +1301,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.
         c = int(family[4])
         name, grid = f"gemv_simt_m{_gemv_bucket_rows(m)}_c{c}", (-(-n // (warps * c)), splits)
         smem = 0
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 or partials else None
     args = la.GemvArgs(
         x=x,
         xs=x.stride(0),
@@ -1265,10 +1316,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.
         vec_ok=int(vec_ok),
     )
     _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem)
-    if part is not None:
-        combine = la.GemvCombineArgs(part=part, out=out, S=splits, MN=m * n)
-        _launch_gemv("gemv_combine", x.dtype, x.device, (-(-(m * n) // 256),), (256,), combine)
-    return out
+    return part, splits
 
 
 def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
@@ -1293,8 +1341,11 @@ _KERNELS_PER_DTYPE = (
         "attn_prep_wf",
         "silu_mul",
         "gdn_gates",
+        "combine_add_rmsnorm_ws",
+        "combine_add_rmsnorm_wf",
     ]
     + [f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"]
+    + [f"attn_vec_u{u}_g{g}" for u in (2, 4) for g in (1, 2, 4, 8)]
     + [f"attn_{kind}_e{e}" for kind in ("split", "tile") for e in (1, 2, 4, 8)]
     + [f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"]
     + [f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"]

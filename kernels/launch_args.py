@@ -98,6 +98,12 @@ AddRmsNormArgs = builder(
     "add_rmsnorm_ws",
     "add_rmsnorm_wf",
 )
+CombineAddRmsNormArgs = builder(
+    "CombineAddRmsNormArgs",
+    "ptr part, i32 S, ptr r, i64 rs, ptr w, ptr y, ptr s, i32 d, f32 eps",
+    "combine_add_rmsnorm_ws",
+    "combine_add_rmsnorm_wf",
+)
 GatedRmsNormArgs = builder(
     "GatedRmsNormArgs",
     "ptr x, i64 xs, ptr gate, i64 gs, ptr w, ptr y, i32 d, f32 eps",

@@ -24,6 +24,7 @@ sample_token = reference.sample_token
 spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
+gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 
 _cuda_enabled = False
 

@@ -281,6 +281,19 @@ def chunk_gated_delta_rule(
     return out.to(v.dtype).contiguous()
 
 
+def gemv_add_rmsnorm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection whose output joins the residual stream and is normed: add_rmsnorm(gemv(x, w), residual,
+    weight, eps) -> (rmsnorm(s), s). The CUDA form fuses the split-K combine, the add and the norm."""
+    return add_rmsnorm(gemv(x, w, variant), residual, weight, eps)
+
+
 def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy pick over the first n vocabulary ids (n = 0: all), and its softmax probability over them.
 

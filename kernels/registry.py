@@ -35,6 +35,7 @@ NAMES = (
     "spec_accept",
     "synthetic_accept",
     "gemv",
+    "gemv_add_rmsnorm",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

@@ -66,6 +66,7 @@ def test_cupy_speculative_output_is_the_greedy_output_fp32(base, cupy_engine):
 
 def test_cupy_choices_are_visible_and_nothing_fell_back(cupy_engine):
     before = ops.fallbacks().get("gemv", 0)
+    before_fused = ops.fallbacks().get("gemv_add_rmsnorm", 0)
     out = cupy_engine.generate("def main():", 16, EngineSettings(draft_depth=4, plan_pool=8))
     choices = out.stats["gemm_choices"]
     assert _valid(choices) and choices == cupy_engine.info["gemm_choices"]
@@ -73,6 +74,7 @@ def test_cupy_choices_are_visible_and_nothing_fell_back(cupy_engine):
     h = cupy_engine.cfg.hidden_size
     assert any(label.startswith(f"{cupy_engine.cfg.vocab_size}x{h} ") for label in choices)  # the LM head
     assert ops.fallbacks().get("gemv", 0) == before
+    assert ops.fallbacks().get("gemv_add_rmsnorm", 0) == before_fused  # the fused projection + add + norm ran
 
 
 def test_cupy_bf16_runs_and_stays_close_to_cublas(path):

@@ -170,3 +170,28 @@ def test_warm_up_runs_the_gemv_kernels(kc):
     kc.warm_up(CUDA, torch.bfloat16)
     kc.warm_up(CUDA, torch.float32)
     assert kc.gemv_kernels(CUDA, torch.bfloat16)[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (250, 520), (40, 64)])
+def test_gemv_add_rmsnorm_is_gemv_then_add_rmsnorm_bit_for_bit(kc, dtype, n, k):
+    """The fused projection + residual add + norm (one launch for the split-K combine, the add and the norm)
+    equals the gemv kernel followed by the add_rmsnorm kernel exactly, for every launch variant (splitting K
+    or not) and row count, with the norm weight in the activation dtype or fp32; and it is close to the
+    reference."""
+    w = weight(n, k, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(n + k)
+    norm_ws = [torch.randn(n, device=CUDA, generator=g).to(dtype) * 0.1, torch.randn(n, device=CUDA, generator=g) * 0.1]
+    for m in (1, 2, 6, 17):
+        x = rows(m, k, dtype, seed=m)
+        residual = rows(m, n, dtype, seed=1000 + m)
+        variants = every_variant(kc, m, n, k, dtype) if m in (1, 6) else [None]
+        for nw in norm_ws:
+            want_y, want_s = ref.gemv_add_rmsnorm(x, w, residual, nw, 1e-6)
+            for variant in variants:
+                y, s = kc.gemv_add_rmsnorm(x, w, residual, nw, 1e-6, variant)
+                y2, s2 = kc.add_rmsnorm(kc.gemv(x, w, variant), residual, nw, 1e-6)
+                label = f"{m}x{k} @ {n}x{k} {dtype} {variant} norm {nw.dtype}"
+                assert torch.equal(s, s2) and torch.equal(y, y2), label
+                close(s, want_s, label + " s")
+                close(y, want_y, label + " y")
