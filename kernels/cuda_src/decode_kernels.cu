@@ -242,10 +242,12 @@ __device__ __forceinline__ void combine_add_rmsnorm_impl(const float* __restrict
 
 extern "C" __global__ void combine_add_rmsnorm_ws(const float* part, int S, const scalar_t* r, long long rs,
                                                   const scalar_t* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    PDL_ENTER();
     combine_add_rmsnorm_impl<scalar_t>(part, S, r, rs, w, y, s, d, eps);
 }
 extern "C" __global__ void combine_add_rmsnorm_wf(const float* part, int S, const scalar_t* r, long long rs,
                                                   const float* w, scalar_t* y, scalar_t* s, int d, float eps) {
+    PDL_ENTER();
     combine_add_rmsnorm_impl<float>(part, S, r, rs, w, y, s, d, eps);
 }
 
