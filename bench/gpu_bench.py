@@ -395,6 +395,14 @@ def section_pdl(model_dir: Path, n: int) -> None:
     for mode in ("cublas", "auto"):
         eng.model.set_gemm(mode, cache_dir=cache)
         row(f"9B-like target-only, gemm {mode}", *measure(eng, list(range(100, 164)), target))
+    # the fused projection + residual add + norm (Model.proj_add_norm) off vs on, gemm auto, PDL off
+    eng.model.fuse_norm = False
+    off, _, same_off = measure(eng, list(range(100, 164)), target)
+    eng.model.fuse_norm = True
+    on_, _, same_on = measure(eng, list(range(100, 164)), target)
+    say(
+        f"{'9B-like auto: fused add+norm off/on':<34} {off:>8.1f} {on_:>8.1f} {on_ / off:>6.3f}x {str(same_off and same_on):>11}"
+    )
     shutil.rmtree(cache, ignore_errors=True)
     del eng
     torch.cuda.empty_cache()

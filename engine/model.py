@@ -66,6 +66,7 @@ class Model:
         # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
         self.mirror = False
         self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
+        self.fuse_norm = True  # proj_add_norm fuses where it can (off only to measure it: bench/gpu_bench.py pdl)
         self.pdl = False  # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py)
         self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:
@@ -180,7 +181,7 @@ class Model:
         add_rmsnorm(row_parallel(x, weight), residual, norm_weight) -> (normed, new residual). On one GPU with a
         gemv kernel making the product, one fused op (the split-K combine, the add and the norm in one launch,
         bit for bit the same)."""
-        if self._gemv is not None and not self.group.active:
+        if self._gemv is not None and not self.group.active and self.fuse_norm:
             return self._gemv.add_rmsnorm(x, weight, residual, norm_weight, eps)
         return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)
 
