@@ -17,6 +17,7 @@ from engine.settings import EngineSettings
 def _change_every_panel(window) -> None:
     run = window.run_panel
     run.dtype_combo.setCurrentText("bfloat16")
+    run.gemm_combo.setCurrentIndex(run.gemm_combo.findData("auto"))
     run.select_workload("prose")
     run.max_new_tokens.setValue(77)
     run.repeat.setChecked(False)
@@ -26,6 +27,7 @@ def _change_every_panel(window) -> None:
 def _assert_changed(window, new_tokens: int | None = 77) -> None:
     run = window.run_panel
     assert run.dtype() == "bfloat16" and run.workload_name() == "prose" and not run.repeat.isChecked()
+    assert run.gemm_combo.currentData() == "auto"
     assert new_tokens is None or run.max_new_tokens.value() == new_tokens
     assert window.knobs.settings() == EngineSettings(draft_depth=6, p_min=0.25, chain=False, plan_pool=3)
 
@@ -89,6 +91,7 @@ CORRUPT = {
         "model_dirs": 7,
         "model_dir": ["not", "text"],
         "dtype": "float8",
+        "gemm": "turbo",
         "workload": b"\xff",
         "custom_prompt": None,
         "max_new_tokens": "lots",
@@ -140,3 +143,21 @@ def test_a_corrupt_saved_state_on_disk_opens_with_defaults(make_window, app_conf
     run = window.run_panel
     assert run.model_dir() is None and run.model_dirs() == [] and run.dtype() == "float32"
     assert run.workload_name() == "code_gen" and run.repeat.isChecked()
+
+
+def test_the_gemm_choice_applies_on_a_gpu_and_is_greyed_on_the_cpu(make_window):
+    """The GEMM backend is a load choice: greyed and not used on the CPU (it is about the products on a GPU),
+    choosable and carried into the model to load once a GPU is selected, greyed again while a run goes."""
+    window = make_window(remember=False, model_dir=None)
+    run = window.run_panel
+    run.gemm_combo.setCurrentIndex(run.gemm_combo.findData("auto"))
+    assert run.device() == "cpu" and not run.gemm_combo.isEnabled()
+    assert window.model_key().gemm == "cublas"
+    run.set_devices(["NVIDIA H200"])
+    run.device_combo.setCurrentIndex(run.device_combo.findData("cuda:0"))
+    assert run.gemm_combo.isEnabled()
+    assert window.model_key() == type(window.model_key())(None, "cuda:0", "float32", "auto")
+    run.set_running(True)
+    assert not run.gemm_combo.isEnabled()
+    run.set_running(False)
+    assert run.gemm_combo.isEnabled()

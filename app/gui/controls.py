@@ -37,6 +37,19 @@ CUSTOM_PROMPT = "Custom prompt"
 BUNDLED_MODEL = "Bundled model"
 BROWSE = "Other model folder…"
 DTYPES = ["float32", "bfloat16", "float16"]
+# How the decode-sized products (1..17 rows) run on a GPU: (label, Engine.load's gemm)
+GEMMS = [
+    ("GEMM: cuBLAS", "cublas"),
+    ("GEMM: tuned (auto)", "auto"),
+    ("GEMM: SpecDeck kernels", "cupy"),
+    ("GEMM: torch.compile", "autotune"),
+]
+GEMM_TIP = (
+    "How the decode-sized products (1..17 rows) run on a GPU. cuBLAS: PyTorch's default. Tuned (auto): "
+    "SpecDeck's gemv kernels where they beat cuBLAS, per weight shape, measured once per GPU and cached "
+    "(a few seconds at the first load). SpecDeck kernels (cupy): always the kernels. torch.compile: Triton "
+    "GEMMs from max-autotune (compiles at the first round). Not used on the CPU."
+)
 DEFAULT_NEW_TOKENS = 256
 CUSTOM_WORKLOAD = "__custom__"  # how a saved state says "the custom prompt"
 MAX_STATE_TEXT = 1_000_000  # a longer text in a saved state is not a prompt or a folder: ignored
@@ -420,6 +433,7 @@ class RunPanel(QGroupBox):
         self.default_workload = default_workload if default_workload in workloads else next(iter(workloads), None)
         self._readonly_style = "background:#f4f4f4; color:#444;"
 
+        self._running = False
         self.model_combo = QComboBox()
         bundled_text = f"{BUNDLED_MODEL} ({bundled_dir.name})" if bundled_dir else f"{BUNDLED_MODEL} (not installed)"
         self.model_combo.addItem(bundled_text, None)
@@ -437,6 +451,13 @@ class RunPanel(QGroupBox):
         self.dtype_combo = QComboBox()
         self.dtype_combo.addItems(DTYPES)
         self.dtype_combo.currentIndexChanged.connect(lambda _: self.model_changed.emit())
+        self.gemm_combo = QComboBox()
+        for label, mode in GEMMS:
+            self.gemm_combo.addItem(label, mode)
+        self.gemm_combo.setToolTip(GEMM_TIP)
+        self.gemm_combo.currentIndexChanged.connect(lambda _: self.model_changed.emit())
+        self.device_combo.currentIndexChanged.connect(lambda _: self._update_gemm_enabled())
+        self._update_gemm_enabled()
 
         self.workload_combo = QComboBox()
         for name in workloads:
@@ -468,6 +489,7 @@ class RunPanel(QGroupBox):
         device_row.addWidget(self.device_combo, 2)
         device_row.addWidget(self.dtype_combo, 1)
         form.addRow("Device", device_row)
+        form.addRow("", self.gemm_combo)
         form.addRow("Workload", self.workload_combo)
         form.addRow(self.prompt_edit)
         form.addRow("New tokens", self.max_new_tokens)
@@ -541,6 +563,14 @@ class RunPanel(QGroupBox):
     def dtype(self) -> str:
         return self.dtype_combo.currentText()
 
+    def gemm(self) -> str:
+        """The GEMM backend to load with: the chosen one on a GPU, cuBLAS (the only one there is) on the CPU."""
+        return "cublas" if self.device() == "cpu" else (self.gemm_combo.currentData() or "cublas")
+
+    def _update_gemm_enabled(self) -> None:
+        """Choosable on a GPU while nothing runs; greyed on the CPU, where it does not apply."""
+        self.gemm_combo.setEnabled(self.device() != "cpu" and not self._running)
+
     # -- workload --
 
     def _on_workload_changed(self, *_: Any) -> None:
@@ -581,12 +611,13 @@ class RunPanel(QGroupBox):
 
     def save_state(self) -> dict[str, Any]:
         """The choices to bring back next time (restore_state takes them): the model folders listed and the
-        one chosen ("" = bundled), dtype, workload (or the custom prompt), new tokens, repeat."""
+        one chosen ("" = bundled), dtype, GEMM backend, workload (or the custom prompt), new tokens, repeat."""
         workload = self.workload_name()
         state: dict[str, Any] = {
             "model_dirs": self.model_dirs(),
             "model_dir": self.model_dir() or "",
             "dtype": self.dtype(),
+            "gemm": self.gemm_combo.currentData(),
             "workload": workload or CUSTOM_WORKLOAD,
             "max_new_tokens": self.max_new_tokens.value(),
             "repeat": self.repeat.isChecked(),
@@ -634,6 +665,12 @@ class RunPanel(QGroupBox):
             bad.append("dtype")
         self.dtype_combo.setCurrentText(dtype if dtype in DTYPES else DTYPES[0])
 
+        gemm = text("gemm")
+        index = self.gemm_combo.findData(gemm) if gemm is not None else 0
+        if index < 0:
+            bad.append("gemm")
+        self.gemm_combo.setCurrentIndex(max(index, 0))
+
         workload, custom_prompt = text("workload"), text("custom_prompt") or ""
         if workload == CUSTOM_WORKLOAD and custom_prompt.strip():
             self.select_workload(None)
@@ -657,8 +694,10 @@ class RunPanel(QGroupBox):
         return bad
 
     def set_running(self, running: bool) -> None:
+        self._running = running
         self.run_button.setEnabled(not running)
         self.stop_button.setEnabled(running)
         for widget in (self.model_combo, self.device_combo, self.dtype_combo, self.workload_combo, self.max_new_tokens):
             widget.setEnabled(not running)
+        self._update_gemm_enabled()
         self.prompt_edit.setReadOnly(running or self.workload_name() is not None)

@@ -475,7 +475,9 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ runs
 
     def model_key(self) -> ModelKey:
-        return ModelKey(self.run_panel.model_dir(), self.run_panel.device(), self.run_panel.dtype())
+        return ModelKey(
+            self.run_panel.model_dir(), self.run_panel.device(), self.run_panel.dtype(), self.run_panel.gemm()
+        )
 
     def start_run(self) -> None:
         if self.state != "idle":
@@ -530,6 +532,7 @@ class MainWindow(QMainWindow):
             f"{info.get('name')} · {info.get('parameters', 0) / 1e6:,.1f} M params · "
             f"vocab {info.get('vocab_size'):,} · context {info.get('max_context') or 0:,} · {info.get('device')} · "
             f"{info.get('dtype')}{threads}"
+            + (f" · GEMM {info.get('gemm')}" if info.get("gemm", "cublas") != "cublas" else "")
         )
         self.model_label.setToolTip(
             f"{info.get('context_note') or ''}\n"

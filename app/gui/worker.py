@@ -40,6 +40,7 @@ class ModelKey:
     model_dir: str | None
     device: str = "cpu"
     dtype: str = "float32"
+    gemm: str = "cublas"  # Engine.load's gemm: how decode-sized products run on a GPU
 
     @property
     def devices(self) -> list[str]:
@@ -256,7 +257,8 @@ class EngineWorker(QObject):
         from engine import Engine
 
         name = key.model_dir or "the bundled model"
-        self.load_started.emit(f"Loading {name} on {key.device} ({key.dtype})…")
+        gemm = "" if key.gemm == "cublas" else f", GEMM {key.gemm}"
+        self.load_started.emit(f"Loading {name} on {key.device} ({key.dtype}{gemm})…")
         # Drop the old model first so two never sit in memory together (reference counting
         # frees its tensors here; no gc.collect(): a full collection holds the GIL long enough
         # to stall the window).
@@ -270,7 +272,11 @@ class EngineWorker(QObject):
         try:  # the load and the session on it (its buffers can be what does not fit)
             devices = key.devices
             engine = Engine.load(
-                key.model_dir, device=devices[0], dtype=key.dtype, devices=devices if len(devices) > 1 else None
+                key.model_dir,
+                device=devices[0],
+                dtype=key.dtype,
+                devices=devices if len(devices) > 1 else None,
+                gemm=key.gemm,
             )
             session = engine.new_session()
             memory = dict(engine.memory())
