@@ -489,6 +489,7 @@ ATTN_SPLIT(8)
 // K/V rows 16-byte aligned, G = Hq / Hkv in {1, 2, 4, 8}.
 #define AV_WARPS 4
 #define AV_RAW (sizeof(scalar_t) == 4 ? 2 : 1)  // 16-byte words per 8 features
+#define AV_MIN_KEYS 64
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
 
@@ -600,7 +601,17 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     const int lanes_keys = AV_WARPS * rpw;  // keys a block step
     const long long step = (long long)lanes_keys * U;
     long long b, e;
-    key_split(start_ptr, start_val, t, max_ctx, S, s, step, b, e);
+    // At least AV_MIN_KEYS keys a split: a short context keeps a few busy splits instead of many one-step ones
+    // (each pays its partial's write and the combine's read)
+    key_split(start_ptr, start_val, t, max_ctx, S, s, step > AV_MIN_KEYS ? step : AV_MIN_KEYS, b, e);
+    if (b >= e && S > 1) {  // no keys here: a neutral partial; attn_combine never reads a weight-0 accumulator
+        for (int x = threadIdx.x; x < G; x += blockDim.x) {
+            const long long prow = (long long)s * T * Hq + (long long)t * Hq + kvh * G + x;
+            ws_ml[prow * 2] = NEG_INF;
+            ws_ml[prow * 2 + 1] = 0.f;
+        }
+        return;
+    }
     const long long rstride = (long long)Hkv * D;
     const scalar_t* kb = kc + (long long)kvh * D + d0;
     const scalar_t* vb = vc + (long long)kvh * D + d0;
@@ -1067,7 +1078,8 @@ extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const 
     const float inv = 1.0f / s_L;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float a = 0.f;
-        for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
+        for (int s = 0; s < S; ++s)
+            if (s_wt[s] != 0.f) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];  // an empty split: not read
         out[base * D + d] = gated_out(a * inv, gate, t * gs0 + h * gs1 + d);
     }
 }
@@ -1112,7 +1124,8 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
     for (int d = tid; d < D; d += blockDim.x) {
         float a = 0.f;
 #pragma unroll 8
-        for (int s = 0; s < S; ++s) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];
+        for (int s = 0; s < S; ++s)
+            if (s_wt[s] != 0.f) a += ws_acc[(s * sstride + base) * D + d] * s_wt[s];  // an empty split: not read
         out[base * D + d] = gated_out(a * inv, gate, t * gs0 + h * gs1 + d);
     }
 }
