@@ -64,11 +64,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gemm",
         default="cublas",
-        choices=["cublas", "autotune", "cupy", "auto"],
+        choices=["cublas", "autotune", "cupy", "auto", "exact"],
         help=(
             "decode-sized GEMMs: cublas; autotune (torch.compile max-autotune); cupy (SpecDeck's gemv kernels for "
             "1..17 rows); auto (per shape the fastest of cuBLAS and the gemv kernels, measured once per GPU and "
-            "cached in $SPECDECK_CACHE_DIR or the user cache folder). The last three need CUDA"
+            "cached in $SPECDECK_CACHE_DIR or the user cache folder); exact (row-invariant kernels: speculative output equals "
+            "greedy bit for bit in bf16 too, at some speed). All but cublas need CUDA"
         ),
     )
     _add_threads_arg(p)

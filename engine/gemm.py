@@ -16,6 +16,12 @@
   (a capture meeting an unmeasured shape uses the default launch). Choices are cached on disk per GPU
   (engine/gemm_cache.py), so a second load measures nothing.
 
+- "exact": every product of 1..17 rows through one gemv variant per weight shape whose result for a row does not
+  depend on how many rows come with it (CUDA cores, one K order), and decode attention split by the cache size
+  only (kernels.cuda.set_row_invariant): a verify of d + 1 rows computes each row as a one-row step would, so
+  speculative output equals greedy output bit for bit in bf16 too, not only in fp32. Costs some speed (no
+  tensor cores, no per-bucket choice).
+
 The choice per shape is in `Engine.info["gemm_choices"]` and each run's stats (`{"4096x4096 m1": "tc1.w8.s1",
 ...}`); a mode whose kernels cannot run here (CuPy missing, the gemv module failing to compile) keeps every
 product on cuBLAS, with one notice line on stderr and in `Engine.info["gemm_notice"]`.
@@ -36,7 +42,7 @@ from kernels import ops
 from .errors import EngineError
 from .gemm_cache import TuneCache, cache_file, cache_key
 
-GEMM_MODES = ("cublas", "autotune", "cupy", "auto")
+GEMM_MODES = ("cublas", "autotune", "cupy", "auto", "exact")
 # Row buckets of the gemv modes: a choice holds for every row count of its bucket (measured at the largest).
 ROW_BUCKETS = ((1, 1), (2, 4), (5, 8), (9, 17))
 # Autotune measurement: weights of a shape cycled per graph (distinct tensors, or clones up to ~3 x L2),
@@ -99,13 +105,13 @@ def bucket_label(index: int) -> str:
 
 
 class GemvProducts:
-    """The products of a model in gemm mode "cupy" or "auto": `products(x, w)` is x @ w^T through the gemv
+    """The products of a model in gemm mode "cupy", "auto" or "exact": `products(x, w)` is x @ w^T through the gemv
     kernel variant chosen for w's shape and x's row bucket, or cuBLAS. `cache_path`: the autotune cache file
     of mode "auto" (None: keep the measurements in memory)."""
 
     def __init__(self, mode: str, device: torch.device, dtype: torch.dtype, cache_path: os.PathLike | None) -> None:
-        if mode not in ("cupy", "auto"):
-            raise ValueError(f"GemvProducts serves gemm modes cupy and auto, not {mode!r}")
+        if mode not in ("cupy", "auto", "exact"):
+            raise ValueError(f"GemvProducts serves gemm modes cupy, auto and exact, not {mode!r}")
         self.mode, self.device, self.dtype = mode, device, dtype
         self.ok, why = ops.gemv_kernels(device, dtype)  # compiles and loads the module now, outside captures
         self.notice = "" if self.ok else f"gemm {mode}: gemv kernels unavailable ({why}); products stay on cuBLAS"
@@ -153,7 +159,9 @@ class GemvProducts:
         if found is not None:
             return found
         top = ROW_BUCKETS[b][1]
-        if self.mode == "cupy" or torch.cuda.is_current_stream_capturing():
+        if self.mode == "exact":
+            found = ops.gemv_row_invariant(n, k, self.dtype, self.device)  # the same for every bucket
+        elif self.mode == "cupy" or torch.cuda.is_current_stream_capturing():
             found = ops.gemv_default(top, n, k, self.dtype, self.device)
             if self.mode == "auto":
                 return found
@@ -285,7 +293,7 @@ def _graph_seconds(run, device: torch.device) -> float:
 
 
 def gemv_products(mode: str, device: torch.device, dtype: torch.dtype, cache_dir=None) -> GemvProducts:
-    """The products of gemm mode "cupy" or "auto" (the cache file of "auto" in `cache_dir`, None: the default
+    """The products of gemm mode "cupy", "auto" or "exact" (the cache file of "auto" in `cache_dir`, None: the default
     folder, see engine/gemm_cache.py)."""
     return GemvProducts(mode, device, dtype, cache_file(cache_dir) if mode == "auto" else None)
 

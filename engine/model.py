@@ -113,12 +113,15 @@ class Model:
                 w[p + "gate_up_packed"] = torch.cat(parts).contiguous()
 
     def set_gemm(self, mode: str, cache_dir=None) -> None:
-        """The GEMM backend of decode-sized products: "cublas", "autotune", "cupy" or "auto" (engine/gemm.py).
+        """The GEMM backend of decode-sized products: "cublas", "autotune", "cupy", "auto" or "exact" (engine/gemm.py).
         "auto" chooses per weight shape and row bucket now (from the autotune cache in `cache_dir`, None: the
         default folder, or by measuring)."""
         check_mode(mode, self.device)
         self._one_token_linear = autotuned_linear() if mode == "autotune" else None
-        self._gemv = gemv_products(mode, self.device, self.dtype, cache_dir) if mode in ("cupy", "auto") else None
+        gemv_modes = ("cupy", "auto", "exact")
+        self._gemv = gemv_products(mode, self.device, self.dtype, cache_dir) if mode in gemv_modes else None
+        if self.device.type == "cuda":
+            ops.set_row_invariant(mode == "exact")  # decode attention too (process-wide: the kernels' setting)
         self.gemm = mode
         if self._gemv is not None:
             self._gemv.tune(self.product_weights())

@@ -373,6 +373,15 @@ _ATT_VEC_UNROLL = 2  # key steps whose K and V loads a lane issues together: 2 o
 _ATT_VEC_MIN_SPLITS = 16  # wide verify rows still get the context split (T=16: 16 splits beat 8)
 # Up to this many query rows "auto" takes "vec" (one block per row reads K/V again, from L2); past it "tile".
 _ATT_VEC_MAX_ROWS = 17
+# Row-invariant decode attention (gemm mode "exact", set_row_invariant): the splits come from the cache size
+# only (not the row count, not whether `start` is on the host), so a row's result is the same in a verify of
+# T rows as in a one-row step; "vec" where it fits, else "warp", for every width up to _ATT_MAX_KERNEL_ROWS.
+_ATT_ROW_INVARIANT = False
+
+
+def set_row_invariant(on: bool) -> None:
+    global _ATT_ROW_INVARIANT
+    _ATT_ROW_INVARIANT = bool(on)
 
 
 def _att_splits(device: torch.device, t: int, hq: int, max_keys: int) -> int:
@@ -454,7 +463,8 @@ def attention_cached(
         return out
     qc = q if q.stride(2) == 1 else q.contiguous()
     sp, sv = _start_args(start, q.device)
-    max_keys = max_ctx if sp != _NULL else min(max_ctx, int(sv) + t)
+    max_keys = max_ctx if sp != _NULL or _ATT_ROW_INVARIANT else min(max_ctx, int(sv) + t)
+    split_rows = 1 if _ATT_ROW_INVARIANT else t  # the row count the splits are sized for
     epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
     groups_of = hq // hkv
     vec_fits = (
@@ -462,19 +472,19 @@ def attention_cached(
     )
     if _ATT_IMPL != "auto":
         impl = _ATT_IMPL
-    elif vec_fits and t <= _ATT_VEC_MAX_ROWS:
+    elif vec_fits and (t <= _ATT_VEC_MAX_ROWS or _ATT_ROW_INVARIANT):
         impl = "vec"
     else:
-        impl = "warp" if t == 1 else "tile"
+        impl = "warp" if t == 1 or _ATT_ROW_INVARIANT else "tile"
     if impl == "vecb" and not (vec_fits and groups_of == 4 and 128 < d <= 256):
         impl = "vec"
     if impl == "vec" and not vec_fits:
         impl = "warp"
     if impl == "vecb":
-        splits = _att_vec_splits(q.device, t, hkv, d, max_keys, unroll=2)
+        splits = _att_vec_splits(q.device, split_rows, hkv, d, max_keys, unroll=2)
         grid, name = (splits, hkv, t), "attn_vecb_u2_g4"
     elif impl == "vec":
-        splits = _att_vec_splits(q.device, t, hkv, d, max_keys)
+        splits = _att_vec_splits(q.device, split_rows, hkv, d, max_keys)
         grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
     elif impl == "tile":
         rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
@@ -485,7 +495,7 @@ def attention_cached(
         vec_ok = int(d % vec == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
         grid, name = (splits, hkv, groups), f"attn_tile_e{epl}"
     else:
-        splits = _att_splits(q.device, t, hq, max_keys)
+        splits = _att_splits(q.device, split_rows, hq, max_keys)
         grid, name = (splits, hq, t), f"attn_split_e{epl}"
     if splits > 1:
         ws_acc = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
@@ -1204,14 +1214,28 @@ def gemv_default(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devic
         tiles = -(-n // 16)
         warps = 4 if tiles * 4 >= want else 8
         have, family, per_warp_k = tiles * warps, "tc1", warps * 2 * _GEMV_STEP
-    else:
-        # splits from N and K only (not from the columns a warp takes): every row count sums a column alike
-        warps, family = 4, f"simt{2 if m <= 4 else 1}"
-        have, per_warp_k = -(-n // 2), 32 * 4 * (16 // _ELEMENT_SIZE[dtype])
+        splits = 1
+        if have < want:
+            splits = max(1, min(-(-want // have), k // per_warp_k, registry.GEMV_MAX_SPLITS))
+        return f"{family}.w{warps}.s{_gemv_splits(k, splits)[1]}"
+    return f"simt{2 if m <= 4 else 1}.w4.s{_simt_splits(n, k, dtype, device)}"
+
+
+def _simt_splits(n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """K splits of the CUDA-core launches: from N and K only (not from the rows or the columns a warp takes),
+    so every row count sums a column alike."""
+    want = _GEMV_WARPS_PER_SM * _sms(device)
+    have, per_warp_k = -(-n // 2), 32 * 4 * (16 // _ELEMENT_SIZE[dtype])
     splits = 1
     if have < want:
         splits = max(1, min(-(-want // have), k // per_warp_k, registry.GEMV_MAX_SPLITS))
-    return f"{family}.w{warps}.s{_gemv_splits(k, splits)[1]}"
+    return _gemv_splits(k, splits)[1]
+
+
+def gemv_row_invariant(n: int, k: int, dtype: torch.dtype, device: torch.device) -> str:
+    """A launch variant whose result for a row does not depend on how many rows come with it: CUDA cores, each
+    row's sum over K in one fixed order and the same splits for 1..17 rows (gemm mode "exact")."""
+    return f"simt2.w4.s{_simt_splits(n, k, dtype, device)}"
 
 
 def gemv_variants(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[str]:

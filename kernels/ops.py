@@ -113,6 +113,22 @@ def gemv_default(m: int, n: int, k: int, dtype, device) -> str:
     return cuda.gemv_default(m, n, k, dtype, device)
 
 
+def gemv_row_invariant(n: int, k: int, dtype, device) -> str:
+    """The gemv variant whose rows do not depend on the row count (gemm mode "exact")."""
+    from . import cuda
+
+    return cuda.gemv_row_invariant(n, k, dtype, device)
+
+
+def set_row_invariant(on: bool) -> None:
+    """Decode attention with splits from the cache size only (gemm mode "exact"); nothing without CUDA."""
+    try:
+        from . import cuda
+    except Exception:  # noqa: BLE001 - no CuPy: the references are row-invariant already
+        return
+    cuda.set_row_invariant(on)
+
+
 def gemv_version() -> str:
     """A hash of the gemv kernels' source (new kernels invalidate cached timings)."""
     from . import cuda

@@ -150,3 +150,28 @@ def test_only_the_gemv_modes_make_products():
     with pytest.raises(ValueError):
         GemvProducts("cublas", torch.device("cpu"), torch.float32, None)
     assert gemm.bucket_index(17) == 3
+
+
+def test_exact_runs_one_row_invariant_variant_per_shape_for_every_row_count(fake, monkeypatch):
+    """Mode "exact": whatever the row count (a one-row step, a verify of depth + 1 rows), a shape's products go
+    through the one variant whose rows do not depend on the row count; nothing is measured or cached."""
+    monkeypatch.setattr(ops, "gemv_row_invariant", lambda n, k, dtype, device: f"simt2.w4.s{1 + (k > 32)}")
+    p = products("exact")
+    wide, deep = torch.randn(128, 32), torch.randn(64, 64)
+    p.tune({(128, 32): [wide], (64, 64): [deep]})
+    assert p.labels == {
+        **{f"128x32 {b}": "simt2.w4.s1" for b in ("m1", "m2-4", "m5-8", "m9-17")},
+        **{f"64x64 {b}": "simt2.w4.s2" for b in ("m1", "m2-4", "m5-8", "m9-17")},
+    }
+    assert fake["measure"] == [] and p.cache is None
+    fake["capturing"] = True  # inside a capture too: the same variant, not the default launch
+    for m in (1, 4, 17):
+        p(torch.randn(m, 64), deep)
+    assert fake["gemv"] == ["simt2.w4.s2"] * 3
+
+
+def test_exact_needs_cuda_like_the_other_kernel_modes():
+    from engine.errors import EngineError
+
+    with pytest.raises(EngineError, match="gemm='exact' needs a CUDA device"):
+        gemm.check_mode("exact", torch.device("cpu"))

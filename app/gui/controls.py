@@ -43,12 +43,15 @@ GEMMS = [
     ("GEMM: tuned (auto)", "auto"),
     ("GEMM: SpecDeck kernels", "cupy"),
     ("GEMM: torch.compile", "autotune"),
+    ("GEMM: exact (bf16 speculation = greedy)", "exact"),
 ]
 GEMM_TIP = (
     "How the decode-sized products (1..17 rows) run on a GPU. cuBLAS: PyTorch's default. Tuned (auto): "
     "SpecDeck's gemv kernels where they beat cuBLAS, per weight shape, measured once per GPU and cached "
     "(a few seconds at the first load). SpecDeck kernels (cupy): always the kernels. torch.compile: Triton "
-    "GEMMs from max-autotune (compiles at the first round). Not used on the CPU."
+    "GEMMs from max-autotune (compiles at the first round). Exact: kernels whose rows do not depend on how many "
+    "rows run together, so speculative output equals greedy output bit for bit in bf16 too (fp32 always does), "
+    "at some speed. Not used on the CPU."
 )
 DEFAULT_NEW_TOKENS = 256
 CUSTOM_WORKLOAD = "__custom__"  # how a saved state says "the custom prompt"
