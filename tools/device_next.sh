@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First device call of the next session, on branch `next` (main + pdl + prefill-loop + att-butterfly + fused-norm,
+# First device call of the next session, on branch `next` (main + pdl + prefill-loop + att-butterfly + fused-norm + exact,
 # merged, compiled with nvcc here, CPU-tested; nothing of it has run on a GPU). git checkout next (merge main first), then:
 #   run: bash .device-site/next.sh   (carry .device-site; ~8 min on one H200)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -13,7 +13,7 @@ for dt in (torch.bfloat16, torch.float32, torch.float16): cuda.warm_up('cuda', d
 print('kernels compiled and warm; pdl available:', cuda.set_pdl(True)); cuda.set_pdl(False)" 2>&1 | tail -8 | tee $OUT/0-kernels.txt
 grep -q "kernels compiled" $OUT/0-kernels.txt || { el "kernels did not compile: stop"; exit 1; }
 el "pdl, kernel (vecb included), gemv (fused add+norm) and engine GPU tests"
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pdl_gpu.py tests/test_kernels_gpu.py tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py tests/test_gpu_engine.py 2>&1 | grep -v "^\.*\s*\[" | tail -15 | tee $OUT/1-tests.txt
+timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pdl_gpu.py tests/test_exact_gpu.py tests/test_kernels_gpu.py tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py tests/test_gpu_engine.py 2>&1 | grep -v "^\.*\s*\[" | tail -15 | tee $OUT/1-tests.txt
 el "prefill delta rule: loop vs batched, alone and in the 9B-like 4k prefill"
 timeout 100 python3 bench/prefill_delta.py 2>&1 | grep -v -i warn | tail -12 | tee $OUT/2-prefill.txt
 el "attention: vec vs vecb, decode by context"
