@@ -4,6 +4,11 @@
 #   run: bash .device-site/next.sh   (carry .device-site; ~8 min on one H200)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# CuPy's compiled kernels kept between calls: carried in .device-site/cupy-cache, brought back under $OUT
+# (copy $OUT/cupy-cache into .device-site/ after the call; a fresh machine otherwise recompiles for ~40 s)
+export CUPY_CACHE_DIR=$PWD/.device-site/cupy-cache
+mkdir -p "$CUPY_CACHE_DIR"
+trap 'cp -r "$CUPY_CACHE_DIR" "$OUT/cupy-cache" 2>/dev/null' EXIT
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 el start
 timeout 90 python3 -c "
