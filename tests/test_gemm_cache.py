@@ -151,14 +151,14 @@ def test_an_in_memory_cache_writes_nothing(tmp_path):
 
 
 def test_modes_and_buckets():
-    assert GEMM_MODES == ("cublas", "autotune", "cupy", "auto")
+    assert GEMM_MODES == ("cublas", "autotune", "cupy", "auto", "exact")
     assert [bucket_index(m) for m in range(1, 18)] == [0] + [1] * 3 + [2] * 4 + [3] * 9
     assert [bucket_label(i) for i in range(len(ROW_BUCKETS))] == ["m1", "m2-4", "m5-8", "m9-17"]
-    for mode in ("cupy", "auto", "autotune"):
+    for mode in ("cupy", "auto", "autotune", "exact"):
         with pytest.raises(EngineError, match=f"gemm='{mode}' needs a CUDA device.*use gemm='cublas'"):
             check_mode(mode, torch.device("cpu"))
     check_mode("cublas", torch.device("cpu"))
-    with pytest.raises(EngineError, match="use one of cublas, autotune, cupy, auto"):
+    with pytest.raises(EngineError, match="use one of cublas, autotune, cupy, auto, exact"):
         check_mode("fast", torch.device("cuda"))
 
 
