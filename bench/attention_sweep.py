@@ -26,7 +26,7 @@ CONTEXTS = [1024, 8192, 32768, 131072]
 HQ, HKV, D, SLOTS = 16, 4, 256, 131584
 # (form, blocks a SM, vec's unroll)
 FORMS = {
-    1: [("vec", 4, 2), ("vecb", 4, 2), ("vec", 4, 4), ("warp", 8, 0)],
+    1: [("vec", 4, 2), ("vec", 8, 2), ("vecb", 4, 2), ("vecb", 8, 2), ("vec", 4, 4), ("warp", 8, 0)],
     4: [("tile", 2, 0), ("vec", 4, 2), ("vecb", 4, 2)],
     16: [("tile", 2, 0), ("vec", 4, 2), ("vecb", 4, 2)],
 }

@@ -342,7 +342,8 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     return y
 
 
-_ATT_MAX_SPLITS = 128
+_ATT_MAX_SPLITS = 128  # what "warp" and "tile" may use
+_ATT_VEC_MAX_SPLITS = 256  # "vec" at more than 4 blocks a SM (the sweep): ATT_MAX_SPLITS of the combine kernels
 _ATT_MAX_KERNEL_ROWS = 64
 # "tile": K/V tiles in shared memory shared by all query rows of a kv head;
 # "warp": one block per (query row, head) and key split, a warp per key;
@@ -401,7 +402,7 @@ def _att_vec_splits(device: torch.device, t: int, hkv: int, d: int, max_keys: in
     step = 4 * (32 // lpr) * (unroll or _ATT_VEC_UNROLL)
     want = max(_ATT_VEC_MIN_SPLITS, -(-_ATT_VEC_BLOCKS_PER_SM * _sms(device) // (t * hkv)))
     cap = max(1, -(-max_keys // (_ATT_VEC_MIN_STEPS * step)))
-    return max(1, min(want, cap, _ATT_MAX_SPLITS))
+    return max(1, min(want, cap, _ATT_VEC_MAX_SPLITS))
 
 
 def _attention_prefill(

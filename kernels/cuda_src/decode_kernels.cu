@@ -1050,7 +1050,7 @@ ATTN_TILE(2)
 ATTN_TILE(4)
 ATTN_TILE(8)
 
-#define ATT_MAX_SPLITS 128
+#define ATT_MAX_SPLITS 256  // the most key splits a combine merges (kernels/cuda.py: _ATT_VEC_MAX_SPLITS)
 // Grid (Hq, T); merges the S partials of each (query row, head).
 extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                                         scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
