@@ -161,3 +161,5 @@ def test_the_gemm_choice_applies_on_a_gpu_and_is_greyed_on_the_cpu(make_window):
     assert not run.gemm_combo.isEnabled()
     run.set_running(False)
     assert run.gemm_combo.isEnabled()
+    run.set_devices([])  # the GPU gone (the monitor found none): back on the CPU, greyed again
+    assert run.device() == "cpu" and not run.gemm_combo.isEnabled() and window.model_key().gemm == "cublas"

@@ -556,6 +556,7 @@ class RunPanel(QGroupBox):
         index = self.device_combo.findData(current)
         self.device_combo.setCurrentIndex(max(index, 0))
         self.device_combo.blockSignals(False)
+        self._update_gemm_enabled()  # the device may have fallen back to the CPU (signals were blocked)
 
     def model_dir(self) -> str | None:
         return self.model_combo.currentData()
