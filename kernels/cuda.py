@@ -772,6 +772,11 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return tok, prob
 
 
+def _accept_ints_ok(*ints: torch.Tensor) -> bool:
+    """The integer operands of an acceptance kernel: all int64, the last (`out`, written in place) contiguous."""
+    return all(t.dtype == torch.int64 for t in ints) and ints[-1].is_contiguous()
+
+
 def greedy_accept(
     drafts: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -780,13 +785,8 @@ def greedy_accept(
     cache_len: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    if (
-        not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out)
-        or drafts.dtype != torch.int64
-        or target_tokens.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+    if not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out) or not _accept_ints_ok(
+        drafts, target_tokens, cache_len, out
     ):
         return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out)
     n = drafts.shape[0]
@@ -945,11 +945,7 @@ def spec_accept(
 ) -> None:
     if (
         not _cuda_ok(drafts, draft_probs, q_rows, p_rows, seed, cache_len, out)
-        or drafts.dtype != torch.int64
-        or seed.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+        or not _accept_ints_ok(drafts, seed, cache_len, out)
         or q_rows.dim() != 2
         or p_rows.dim() != 2
         or not _sampling_ready(p_rows.device)
@@ -999,12 +995,7 @@ def synthetic_accept(
 ) -> None:
     if (
         not _cuda_ok(drafts, draft_probs, target_tokens, rates, seed, cache_len, out)
-        or drafts.dtype != torch.int64
-        or target_tokens.dtype != torch.int64
-        or seed.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+        or not _accept_ints_ok(drafts, target_tokens, seed, cache_len, out)
         or rates.dim() != 1
         or rates.shape[0] < 1
         or not _sampling_ready(out.device)
