@@ -271,6 +271,18 @@ __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half
 #define ATT_UNROLL 2
 #define ATT_MIN_CHUNK (ATT_WARPS * ATT_UNROLL * 4)  // keys: four steps of every warp of a block
 
+// The keys [b, e) of split s of S for query row t (position start + t: it sees keys 0 .. start + t), each split at
+// least min_chunk keys: the host sizes S for the longest context (it does not know the length inside a captured
+// plan), so at short lengths the last splits find no keys (b >= e) and do no work.
+__device__ __forceinline__ void key_split(const long long* start_ptr, long long start_val, int t, long long max_ctx,
+                                          int S, int s, long long min_chunk, long long& b, long long& e) {
+    const long long start = read_start(start_ptr, start_val);
+    const long long n = ll_max(ll_min(start + t + 1, max_ctx), 0);
+    const long long chunk = ll_max((n + S - 1) / S, min_chunk);
+    b = (long long)s * chunk;
+    e = ll_min(n, b + chunk);
+}
+
 template <int EPL>
 __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                                 const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
@@ -283,15 +295,8 @@ __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, 
     const int S = gridDim.x, T = gridDim.z;
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long start = read_start(start_ptr, start_val);
-    long long n = ll_min(start + t + 1, max_ctx);
-    n = ll_max(n, 0);
-    // At least ATT_MIN_CHUNK keys a split: the host sizes S for the longest context (it does not know the
-    // length inside a captured plan), so at short lengths the last splits find no keys and return at once.
-    long long chunk = (n + S - 1) / S;
-    chunk = ll_max(chunk, ATT_MIN_CHUNK);
-    const long long b = (long long)s * chunk;
-    const long long e = ll_min(n, b + chunk);
+    long long b, e;
+    key_split(start_ptr, start_val, t, max_ctx, S, s, ATT_MIN_CHUNK, b, e);
     const int kvh = h / (Hq / Hkv);
     const long long rstride = (long long)Hkv * D;
     const scalar_t* kb = kc + (long long)kvh * D;
@@ -481,15 +486,10 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     const int sub = lane / lpr, li = lane & (lpr - 1);
     const int d0 = li * 8;
     const bool act = d0 < D;
-    const long long start = read_start(start_ptr, start_val);
-    long long n = ll_min(start + t + 1, max_ctx);
-    n = ll_max(n, 0);
     const int lanes_keys = AV_WARPS * rpw;  // keys a block step
     const long long step = (long long)lanes_keys * U;
-    long long chunk = (n + S - 1) / S;
-    chunk = ll_max(chunk, step);
-    const long long b = (long long)s * chunk;
-    const long long e = ll_min(n, b + chunk);
+    long long b, e;
+    key_split(start_ptr, start_val, t, max_ctx, S, s, step, b, e);
     const long long rstride = (long long)Hkv * D;
     const scalar_t* kb = kc + (long long)kvh * D + d0;
     const scalar_t* vb = vc + (long long)kvh * D + d0;
