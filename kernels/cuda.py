@@ -102,35 +102,42 @@ def _source() -> str:
 def _compile(kind: int):
     code = f"#define SCALAR_KIND {kind}\n" + _source()
     try:
-        mod = _cp.RawModule(code=code, options=_OPTIONS)
-        mod.compile()
-        return mod
+        return _raw_module(code)
     except Exception as first:  # noqa: BLE001
         # The CUDA half headers can clash with CuPy's bundled fp16 header under NVRTC; the kernels then
         # use their own 2-byte storage types (same round-to-nearest-even PTX conversions).
         try:
-            mod = _cp.RawModule(code="#define SPECDECK_OWN_HALF 1\n" + code, options=_OPTIONS)
-            mod.compile()
-            return mod
+            return _raw_module("#define SPECDECK_OWN_HALF 1\n" + code)
         except Exception:  # noqa: BLE001
             raise first from None
 
 
-def _function(dev: int, kind: int, name: str):
-    key = (dev, kind, name)
-    fn = _functions.get(key)
+def _load_function(fns: dict, fn_key, modules: dict, mod_key, dev: int, name: str, build):
+    """Kernel `name` of a module compiled once per `mod_key` by `build()` (under the lock; on device `dev`),
+    the loaded cupy.cuda.function.Function kept in `fns` under `fn_key`."""
+    fn = fns.get(fn_key)
     if fn is None:
         with _lock:
-            fn = _functions.get(key)
+            fn = fns.get(fn_key)
             if fn is None:
                 with _cp.cuda.Device(dev):
-                    mod = _modules.get((dev, kind))
+                    mod = modules.get(mod_key)
                     if mod is None:
-                        mod = _compile(kind)
-                        _modules[(dev, kind)] = mod
-                    fn = mod.get_function(name).kernel  # the loaded cupy.cuda.function.Function
-                _functions[key] = fn
+                        mod = build()
+                        modules[mod_key] = mod
+                    fn = mod.get_function(name).kernel
+                fns[fn_key] = fn
     return fn
+
+
+def _raw_module(code: str):
+    mod = _cp.RawModule(code=code, options=_OPTIONS)
+    mod.compile()
+    return mod
+
+
+def _function(dev: int, kind: int, name: str):
+    return _load_function(_functions, (dev, kind, name), _modules, (dev, kind), dev, name, lambda: _compile(kind))
 
 
 def _stream(device: torch.device):
@@ -816,21 +823,8 @@ _SK_THREADS = 1024
 
 
 def _sampling_function(dev: int, name: str):
-    key = (dev, name)
-    fn = _sampling_fns.get(key)
-    if fn is None:
-        with _lock:
-            fn = _sampling_fns.get(key)
-            if fn is None:
-                with _cp.cuda.Device(dev):
-                    mod = _sampling_modules.get(dev)
-                    if mod is None:
-                        mod = _cp.RawModule(code=_SAMPLING_SRC.read_text(), options=_OPTIONS)
-                        mod.compile()
-                        _sampling_modules[dev] = mod
-                    fn = mod.get_function(name).kernel
-                _sampling_fns[key] = fn
-    return fn
+    build = lambda: _raw_module(_SAMPLING_SRC.read_text())  # noqa: E731
+    return _load_function(_sampling_fns, (dev, name), _sampling_modules, dev, dev, name, build)
 
 
 def _sampling_ready(device: torch.device) -> bool:
@@ -1070,21 +1064,8 @@ def gemv_version() -> str:
 
 
 def _gemv_function(dev: int, kind: int, name: str):
-    key = (dev, kind, name)
-    fn = _gemv_fns.get(key)
-    if fn is None:
-        with _lock:
-            fn = _gemv_fns.get(key)
-            if fn is None:
-                with _cp.cuda.Device(dev):
-                    mod = _gemv_modules.get((dev, kind))
-                    if mod is None:
-                        mod = _cp.RawModule(code=f"#define SCALAR_KIND {kind}\n" + _gemv_source(), options=_OPTIONS)
-                        mod.compile()
-                        _gemv_modules[(dev, kind)] = mod
-                    fn = mod.get_function(name).kernel
-                _gemv_fns[key] = fn
-    return fn
+    build = lambda: _raw_module(f"#define SCALAR_KIND {kind}\n" + _gemv_source())  # noqa: E731
+    return _load_function(_gemv_fns, (dev, kind, name), _gemv_modules, (dev, kind), dev, name, build)
 
 
 def _dev_index(device: torch.device) -> int:
