@@ -432,9 +432,8 @@ def attention_cached(
     max_keys = max_ctx if sp != _NULL else min(max_ctx, int(sv) + t)
     epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
     groups_of = hq // hkv
-    vec_fits = (
-        groups_of in (1, 2, 4, 8) and d % 8 == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
-    )
+    kv_aligned = k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0  # 16-byte K/V rows (with D)
+    vec_fits = groups_of in (1, 2, 4, 8) and d % 8 == 0 and kv_aligned
     if _ATT_IMPL != "auto":
         impl = _ATT_IMPL
     elif vec_fits and t <= _ATT_VEC_MAX_ROWS:
@@ -448,11 +447,10 @@ def attention_cached(
         grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
     elif impl == "tile":
         rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
-        groups = -(-(t * (hq // hkv)) // rb)
+        groups = -(-(t * groups_of) // rb)
         want = -(-_ATT_TILE_BLOCKS_PER_SM * _sms(q.device) // (hkv * groups))
         splits = max(1, min(want, -(-max_keys // (2 * kt)), _ATT_MAX_SPLITS))
-        vec = 16 // q.element_size()
-        vec_ok = int(d % vec == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
+        vec_ok = int(d % (16 // q.element_size()) == 0 and kv_aligned)
         grid, name = (splits, hkv, groups), f"attn_tile_e{epl}"
     else:
         splits = _att_splits(q.device, t, hq, max_keys)
