@@ -671,10 +671,7 @@ def section_ctx(model_dir: Path, lengths: list[int]) -> None:
     say()
     n = 32768 if top >= 32768 else lengths[-1]
     prompt = ids(n)
-    greedy = eng.generate(prompt, 48, target, sess).tokens
-    for depth in (1, 3, 5):
-        spec = eng.generate(prompt, 48, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
-        say(f"9B-like, {n} context, spec depth {depth} == greedy (48 tokens): {spec.tokens == greedy}")
+    spec_vs_greedy(eng, sess, prompt, 48, (1, 3, 5), f"9B-like, {n} context")
     del eng, sess
     torch.cuda.empty_cache()
     # bf16 sums in another order (a verify of width d+1 vs one row) can flip a near-tie of the random
@@ -687,24 +684,24 @@ def section_ctx(model_dir: Path, lengths: list[int]) -> None:
         n + 512,
         [torch.device("cuda")],
     )
-    sess = eng.new_session()
-    greedy = eng.generate(prompt, 48, target, sess).tokens
-    for depth in (1, 3, 5):
-        spec = eng.generate(prompt, 48, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
-        say(f"9B-like fp32, {n} context, spec depth {depth} == greedy (48 tokens): {spec.tokens == greedy}")
-    del eng, sess
+    spec_vs_greedy(eng, eng.new_session(), prompt, 48, (1, 3, 5), f"9B-like fp32, {n} context")
+    del eng
     torch.cuda.empty_cache()
     small = Engine.load(model_dir, device="cuda", dtype="float32", max_context=n + 512)
-    s2 = small.new_session()
     text = small.tokenizer.encode("def f(x):\n    return x + 1\n" * 4000)[: n - 8]
-    greedy = small.generate(text, 96, target, s2).tokens
-    for depth in (3, 5):
-        spec = small.generate(text, 96, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), s2)
+    spec_vs_greedy(small, small.new_session(), text, 96, (3, 5), f"bundled fp32, {len(text)} context")
+    say()
+
+
+def spec_vs_greedy(eng: Engine, sess, prompt: list[int], n: int, depths: tuple[int, ...], label: str) -> None:
+    """Target-only greedy output, then speculative (chain) at each depth on the same session: equal or not."""
+    greedy = eng.generate(prompt, n, EngineSettings(speculative=False, plan_pool=8), sess).tokens
+    for depth in depths:
+        spec = eng.generate(prompt, n, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
         say(
-            f"bundled fp32, {len(text)} context, spec depth {depth} == greedy (96 tokens): {spec.tokens == greedy} "
+            f"{label}, spec depth {depth} == greedy ({n} tokens): {spec.tokens == greedy} "
             f"(accepted per round {spec.stats['mean_accepted_length']:.2f})"
         )
-    say()
 
 
 def main() -> int:

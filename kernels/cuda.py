@@ -468,9 +468,8 @@ def attention_cached(
     split_rows = 1 if _ATT_ROW_INVARIANT else t  # the row count the splits are sized for
     epl = 1 if d <= 32 else 2 if d <= 64 else 4 if d <= 128 else 8
     groups_of = hq // hkv
-    vec_fits = (
-        groups_of in (1, 2, 4, 8) and d % 8 == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
-    )
+    kv_aligned = k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0  # 16-byte K/V rows (with D)
+    vec_fits = groups_of in (1, 2, 4, 8) and d % 8 == 0 and kv_aligned
     if _ATT_IMPL != "auto":
         impl = _ATT_IMPL
     elif vec_fits and (t <= _ATT_VEC_MAX_ROWS or _ATT_ROW_INVARIANT):
@@ -489,11 +488,10 @@ def attention_cached(
         grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
     elif impl == "tile":
         rb, kt = (8, 16) if q.dtype == torch.float32 else (16, 32)
-        groups = -(-(t * (hq // hkv)) // rb)
+        groups = -(-(t * groups_of) // rb)
         want = -(-_ATT_TILE_BLOCKS_PER_SM * _sms(q.device) // (hkv * groups))
         splits = max(1, min(want, -(-max_keys // (2 * kt)), _ATT_MAX_SPLITS))
-        vec = 16 // q.element_size()
-        vec_ok = int(d % vec == 0 and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0)
+        vec_ok = int(d % (16 // q.element_size()) == 0 and kv_aligned)
         grid, name = (splits, hkv, groups), f"attn_tile_e{epl}"
     else:
         splits = _att_splits(q.device, split_rows, hq, max_keys)
@@ -820,6 +818,11 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
     return tok, prob
 
 
+def _accept_ints_ok(*ints: torch.Tensor) -> bool:
+    """The integer operands of an acceptance kernel: all int64, the last (`out`, written in place) contiguous."""
+    return all(t.dtype == torch.int64 for t in ints) and ints[-1].is_contiguous()
+
+
 def greedy_accept(
     drafts: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -828,13 +831,8 @@ def greedy_accept(
     cache_len: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    if (
-        not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out)
-        or drafts.dtype != torch.int64
-        or target_tokens.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+    if not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out) or not _accept_ints_ok(
+        drafts, target_tokens, cache_len, out
     ):
         return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out)
     n = drafts.shape[0]
@@ -974,11 +972,7 @@ def spec_accept(
 ) -> None:
     if (
         not _cuda_ok(drafts, draft_probs, q_rows, p_rows, seed, cache_len, out)
-        or drafts.dtype != torch.int64
-        or seed.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+        or not _accept_ints_ok(drafts, seed, cache_len, out)
         or q_rows.dim() != 2
         or p_rows.dim() != 2
         or not _sampling_ready(p_rows.device)
@@ -1028,12 +1022,7 @@ def synthetic_accept(
 ) -> None:
     if (
         not _cuda_ok(drafts, draft_probs, target_tokens, rates, seed, cache_len, out)
-        or drafts.dtype != torch.int64
-        or target_tokens.dtype != torch.int64
-        or seed.dtype != torch.int64
-        or cache_len.dtype != torch.int64
-        or out.dtype != torch.int64
-        or not out.is_contiguous()
+        or not _accept_ints_ok(drafts, target_tokens, seed, cache_len, out)
         or rates.dim() != 1
         or rates.shape[0] < 1
         or not _sampling_ready(out.device)

@@ -124,3 +124,19 @@ def tiny_engine(tiny_model_dir):
     from engine import Engine
 
     return Engine.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model_dir):
+    """The tiny model, loaded once per test module (a module may change it: sub-vocab orders, settings)."""
+    from engine import Engine
+
+    return Engine.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(eng) -> dict[str, list[int]]:
+    """The workloads' prompts as token ids of `eng` (a module may define its own `eng`)."""
+    from app.workloads import load_workloads
+
+    return {name: eng.tokenizer.encode(w.prompt) for name, w in load_workloads().items()}

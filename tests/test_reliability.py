@@ -13,11 +13,6 @@ N_MAX = 12
 
 
 @pytest.fixture(scope="module")
-def eng(tiny_model_dir) -> Engine:
-    return Engine.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def oracle(eng):
     """Plain greedy decoding, memoised: (prompt tuple, n) -> tokens."""
     cache: dict[tuple, list[int]] = {}

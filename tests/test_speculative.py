@@ -9,22 +9,11 @@ import time
 import pytest
 import torch
 
-from app.workloads import load_workloads
 from engine import Engine, EngineSettings
 from engine.spec import prefill
 
 N_NEW = 24
 GREEDY = EngineSettings(speculative=False)
-
-
-@pytest.fixture(scope="module")
-def eng(tiny_model_dir) -> Engine:
-    return Engine.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(eng) -> dict[str, list[int]]:
-    return {name: eng.tokenizer.encode(w.prompt) for name, w in load_workloads().items()}
 
 
 @pytest.fixture(scope="module")

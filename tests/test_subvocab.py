@@ -26,16 +26,6 @@ def shuffled_order(k: int, seed: int = 1) -> list[int]:
     return torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:k].tolist()
 
 
-@pytest.fixture(scope="module")
-def eng(tiny_model_dir) -> Engine:
-    return Engine.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(eng) -> dict[str, list[int]]:
-    return {name: eng.tokenizer.encode(w.prompt) for name, w in load_workloads().items()}
-
-
 @pytest.fixture()
 def model_copy(tiny_model_dir, tmp_path):
     """A copy of the tiny model folder this test may write into."""

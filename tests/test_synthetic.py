@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine import Engine, EngineError, EngineSettings, SamplingParams
+from engine import EngineError, EngineSettings, SamplingParams
 from engine import spec as spec_module
 from kernels import reference as ref
 
@@ -120,11 +120,6 @@ def test_the_reference_never_reads_a_value_on_the_host():
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def eng(tiny_model_dir) -> Engine:
-    return Engine.load(tiny_model_dir)
 
 
 PROMPT = "def main():"
