@@ -349,8 +349,11 @@ _ATT_MAX_KERNEL_ROWS = 64
 # "warp": one block per (query row, head) and key split, a warp per key;
 # "vec": one block per (query row, kv head) and key split serving the kv head's query heads, 16-byte loads;
 # "vecb": "vec" with the butterfly reduction (4 query heads a kv head, head_dim 129..256; else "vec");
-# "auto" (default): "vec" up to _ATT_VEC_MAX_ROWS query rows where its shape limits allow (else "warp" for
-# one row), "tile" for more (bench/profile_9b.py times both per shape, T and context).
+# "auto" (default): "vecb" (else "vec") up to _ATT_VEC_MAX_ROWS query rows where its shape limits allow (else
+# "warp" for one row), "tile" for more (bench/attention_sweep.py times them per T and context).
+# The sweep of 2026-12-01 (H200, us at 1k/8k/32k/128k): T=1 vecb 21.1/25.4/52.8/151.5, vec 22.8/27.2/60.7/186.4;
+# T=4 vecb 17.8/43.0/141.5/533.2, vec 20.0/52.7/176.4/671.4, tile 43.3/72.2/240.3/858.1; T=16 vecb
+# 29.4/142.9/529.1/2083, vec 34.1/184.2/690.4/2713; 8 blocks a SM slower than 4 for both.
 _ATT_IMPL = "auto"
 # "par": the split partials are merged by a block (default); "serial": one thread merges them (cross-check)
 _ATT_COMBINE = "par"
@@ -473,7 +476,7 @@ def attention_cached(
     if _ATT_IMPL != "auto":
         impl = _ATT_IMPL
     elif vec_fits and (t <= _ATT_VEC_MAX_ROWS or _ATT_ROW_INVARIANT):
-        impl = "vec"
+        impl = "vecb"  # "vec" where the butterfly's shape limits are not met (below)
     else:
         impl = "warp" if t == 1 or _ATT_ROW_INVARIANT else "tile"
     if impl == "vecb" and not (vec_fits and groups_of == 4 and 128 < d <= 256):
@@ -665,7 +668,8 @@ def gdn_gates(
     return g, beta
 
 
-_CONV_MAX_KERNEL_ROWS = 64
+_CONV_MAX_KERNEL_ROWS = 64  # up to this many tokens one run a channel (decode's form)
+_CONV_RUN = 32  # prefill: tokens a thread walks
 
 
 def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
@@ -680,13 +684,16 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         or conv_ring.shape[2] != weight.shape[1] - 1
     ):
         return _fallback("conv_update", x)(x, conv_ring, weight, start)
-    if x.shape[0] > _CONV_MAX_KERNEL_ROWS and not (isinstance(start, torch.Tensor) and start.is_cuda):
-        # prefill-sized batches: the kernel walks the tokens of a channel in order; the reference's
-        # grouped conv1d (cuDNN) runs them in parallel
-        return reference.conv_update(x, conv_ring, weight, start)
     t, c = x.shape
     n = conv_ring.shape[0]
     k = weight.shape[1]
+    # Decode (a device start): one run of tokens a channel. Prefill (a host start): runs of >= _CONV_RUN
+    # tokens in parallel, the window before the first token copied out of plane `start` first (a later
+    # run may overwrite that plane before the first run reads it). 9B-like prefill, 2048 tokens x 8192
+    # channels: the reference's cat + grouped conv1d (cuDNN) + SiLU took ~0.45 ms (profile, 2026-12-01).
+    host_start = not (isinstance(start, torch.Tensor) and start.is_cuda)
+    runs = max(1, t // max(_CONV_RUN, k - 1)) if t > _CONV_MAX_KERNEL_ROWS and host_start else 1
+    win = conv_ring[int(start) % n].clone() if runs > 1 else None
     y = torch.empty((t, c), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
@@ -697,9 +704,12 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
         f"conv_update_k{k}_w{ws}",
         x.dtype,
         x.device,
-        ((c + 127) // 128,),
+        ((c + 127) // 128, runs),
         (128,),
-        la.ConvUpdateArgs(x=xc, xs0=xc.stride(0), ring=conv_ring, w=w, y=y, sp=sp, sv=sv, T=t, C=c, n_planes=n),
+        la.ConvUpdateArgs(
+            x=xc, xs0=xc.stride(0), ring=conv_ring, win=_NULL if win is None else win, w=w, y=y, sp=sp, sv=sv,
+            T=t, C=c, n_planes=n,
+        ),
     )
     return y
 

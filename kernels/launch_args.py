@@ -135,7 +135,7 @@ AttnCombineArgs = builder(
 )
 ConvUpdateArgs = builder(
     "ConvUpdateArgs",
-    "ptr x, i64 xs0, ptr ring, ptr w, ptr y, ptr sp, i64 sv, i32 T, i32 C, i32 n_planes",
+    "ptr x, i64 xs0, ptr ring, ptr win, ptr w, ptr y, ptr sp, i64 sv, i32 T, i32 C, i32 n_planes",
     *(f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"),
 )
 GatedDeltaRuleArgs = builder(

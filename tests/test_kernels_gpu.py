@@ -268,7 +268,7 @@ def test_gdn_gates(kc, dtype, t, h):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("c,k", [(96, 4), (512, 4), (8192, 4), (130, 2), (64, 6)])
-@pytest.mark.parametrize("t", [1, 4, 9, 17])
+@pytest.mark.parametrize("t", [1, 4, 9, 17, 65, 100, 2049])  # past 64 with a host start: runs in parallel
 @pytest.mark.parametrize("n_planes,start,tensor_start", [(18, 0, False), (18, 13, True), (6, 5, True), (4, 2, False)])
 def test_conv_update(kc, dtype, c, k, t, n_planes, start, tensor_start):
     torch.manual_seed(c + k + t + n_planes + start)

@@ -1131,27 +1131,38 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
 }
 
 // ------------------------------------------------------------------------------------------------
-// conv_update: one thread per channel, sliding window in registers over the T tokens (no races:
-// each thread reads and writes only its own channel of the planes).
+// conv_update: one thread per channel and run of tokens, sliding window in registers (no races: a
+// thread reads and writes only its own channel). gridDim.y splits the T tokens into runs of
+// ceil(T / gridDim.y) (prefill: many runs in parallel; decode: one). A run starting at token j0 > 0
+// takes its window from x where it can; the window before token 0 comes from `win` ([C, K-1], a copy of
+// plane `start` the host made: with several runs, the run that overwrites plane `start` may go first),
+// or, with win NULL (one run), from plane `start` itself, read before this thread writes any plane.
 // ------------------------------------------------------------------------------------------------
 template <int K, typename W>
 __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x, long long xs0,
-                                                 scalar_t* __restrict__ ring, const W* __restrict__ w,
-                                                 scalar_t* __restrict__ y, const long long* start_ptr,
-                                                 long long start_val, int T, int C, int n_planes) {
+                                                 scalar_t* __restrict__ ring, const scalar_t* __restrict__ win0,
+                                                 const W* __restrict__ w, scalar_t* __restrict__ y,
+                                                 const long long* start_ptr, long long start_val, int T, int C,
+                                                 int n_planes) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    const int span = (T + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int j0 = (int)blockIdx.y * span;
+    const int j1 = j0 + span < T ? j0 + span : T;
+    if (c >= C || j0 >= T) return;
     const long long start = read_start(start_ptr, start_val);
     const long long plane = (long long)C * (K - 1);
-    const scalar_t* rp = ring + pmod(start, n_planes) * plane + (long long)c * (K - 1);
+    const scalar_t* rp = (win0 ? win0 : ring + pmod(start, n_planes) * plane) + (long long)c * (K - 1);
     float win[K - 1], wt[K];
 #pragma unroll
-    for (int i = 0; i < K - 1; ++i) win[i] = to_f(rp[i]);
+    for (int i = 0; i < K - 1; ++i) {  // the raw inputs of tokens j0 - K + 1 .. j0 - 1
+        const int r = j0 - (K - 1) + i;
+        win[i] = r >= 0 ? to_f(x[(long long)r * xs0 + c]) : to_f(rp[r + K - 1]);
+    }
 #pragma unroll
     for (int i = 0; i < K; ++i) wt[i] = to_f(w[(long long)c * K + i]);
     const int jfirst = T - n_planes + 1 > 1 ? T - n_planes + 1 : 1;
-    for (int j = 0; j < T; ++j) {
-        const float xv = to_f(x[j * xs0 + c]);
+    for (int j = j0; j < j1; ++j) {
+        const float xv = to_f(x[(long long)j * xs0 + c]);
         float acc = 0.f;
 #pragma unroll
         for (int i = 0; i < K - 1; ++i) acc += win[i] * wt[i];
@@ -1170,14 +1181,18 @@ __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x,
 
 #define CONV_UPDATE(K)                                                                                     \
     extern "C" __global__ void conv_update_k##K##_ws(const scalar_t* x, long long xs0, scalar_t* ring,     \
-                                                     const scalar_t* w, scalar_t* y, const long long* sp,   \
-                                                     long long sv, int T, int C, int n_planes) { PDL_ENTER();           \
-        conv_update_impl<K, scalar_t>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                         \
+                                                     const scalar_t* win, const scalar_t* w, scalar_t* y,   \
+                                                     const long long* sp, long long sv, int T, int C,       \
+                                                     int n_planes) {                                        \
+        PDL_ENTER();                                                                                       \
+        conv_update_impl<K, scalar_t>(x, xs0, ring, win, w, y, sp, sv, T, C, n_planes);                    \
     }                                                                                                      \
     extern "C" __global__ void conv_update_k##K##_wf(const scalar_t* x, long long xs0, scalar_t* ring,     \
-                                                     const float* w, scalar_t* y, const long long* sp,      \
-                                                     long long sv, int T, int C, int n_planes) { PDL_ENTER();           \
-        conv_update_impl<K, float>(x, xs0, ring, w, y, sp, sv, T, C, n_planes);                            \
+                                                     const scalar_t* win, const float* w, scalar_t* y,      \
+                                                     const long long* sp, long long sv, int T, int C,       \
+                                                     int n_planes) {                                        \
+        PDL_ENTER();                                                                                       \
+        conv_update_impl<K, float>(x, xs0, ring, win, w, y, sp, sv, T, C, n_planes);                       \
     }
 CONV_UPDATE(2)
 CONV_UPDATE(3)
