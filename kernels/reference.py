@@ -211,6 +211,24 @@ def gated_delta_rule(
     return out.to(v.dtype)
 
 
+_TRI_SOLVE = "solve"  # "solve": torch.linalg.solve_triangular; "inv": the product form below (bench/prefill_delta.py)
+
+
+def _unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """X with (I + N) X = rhs, N the strictly lower part of `lower` (its diagonal is taken as ones).
+
+    "inv": (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0 for C x C), log2(C) rounds
+    of two batched products, then one product with rhs."""
+    if _TRI_SOLVE == "solve":
+        return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    m = lower.tril(-1).neg_()
+    inv = m + torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    for _ in range(max(0, (m.shape[-1] - 1).bit_length() - 1)):
+        m = m @ m
+        inv = torch.baddbmm(inv.flatten(0, -3), inv.flatten(0, -3), m.flatten(0, -3)).view_as(inv)
+    return inv @ rhs
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,55 +248,65 @@ def chunk_gated_delta_rule(
     hv, dv = v.shape[1], v.shape[2]
     n = state_ring.shape[0]
     rep = hv // hk
-    query = (_l2norm(q.float()).repeat_interleave(rep, dim=1) * dk**-0.5).transpose(0, 1)  # [Hv, T, dk]
-    key = _l2norm(k.float()).repeat_interleave(rep, dim=1).transpose(0, 1)
-    value = v.float().transpose(0, 1)
-    bt = beta.float().transpose(0, 1)  # [Hv, T]
-    decay = g.float().transpose(0, 1)
-    pad = (chunk_size - t % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    bt, decay = F.pad(bt, (0, pad)), F.pad(decay, (0, pad))
-    nc = (t + pad) // chunk_size
-    v_beta = value * bt[..., None]
-    k_beta = key * bt[..., None]
-    query, key, k_beta, v_beta = (x.reshape(hv, nc, chunk_size, -1) for x in (query, key, k_beta, v_beta))
-    decay = decay.reshape(hv, nc, chunk_size)
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    cum = decay.cumsum(-1)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    ut = (k_beta @ key.transpose(-1, -2)) * pair
-    intra = (query @ key.transpose(-1, -2)) * pair
-    dk_beta = k_beta * cum.exp()[..., None]
-    # one triangular solve for both right-hand sides (one launch, not two)
-    both = torch.linalg.solve_triangular(ut, torch.cat((v_beta, dk_beta), -1), upper=False, unitriangular=True)
-    new_v, k_cum = both[..., :dv], both[..., dv:]
-    query = query * cum.exp()[..., None]
-    key = key * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, nc, 1, 1]
+    c = chunk_size
+    pad = (c - t % c) % c
+    nc = (t + pad) // c
+    # Everything is laid out chunk-major, [nc, Hv, C, d] fp32: the batched products below and the state
+    # recurrence read it without transposes. Each input is written there in one pass (the key heads
+    # repeated for their value heads, q and k l2-normed on the way); rows past T (the last chunk's pad) are 0.
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x for x in (q, k, v))
+    beta, g = (F.pad(x.float(), (0, 0, 0, pad)) for x in (beta, g))
+
+    def chunked(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        """x [Tp, h, d] times factor [Tp, h or Hv, 1] -> [nc, Hv, C, d] fp32 (key head i: value heads i*rep ..)."""
+        h, d = x.shape[1], x.shape[2]
+        out = torch.empty((nc, h, hv // h, c, d), dtype=torch.float32, device=x.device)
+        xs = x.unflatten(0, (nc, c)).permute(0, 2, 1, 3)[:, :, None].expand(out.shape)  # [nc, h, rep, C, d]
+        fs = factor.reshape(nc, c, h, -1, 1).permute(0, 2, 3, 1, 4)  # [nc, h, rep or 1, C, 1]
+        torch.mul(xs, fs, out=out)
+        return out.view(nc, hv, c, d)
+
+    def l2_factor(x: torch.Tensor) -> torch.Tensor:  # as _l2norm: x * rsqrt(sum x^2 + 1e-6)
+        sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
+        return sq.add_(1e-6).rsqrt_()
+
+    bt = beta.unsqueeze(-1)  # [Tp, Hv, 1]
+    k_norm = l2_factor(k)
+    query = chunked(q, l2_factor(q).mul_(dk**-0.5))
+    key = chunked(k, k_norm)
+    k_beta = chunked(k, k_norm.repeat_interleave(rep, dim=1) * bt)
+    # the right-hand sides of the triangular solve, side by side: [V * beta | K * beta * exp(cum)]
+    rhs = torch.empty((nc, hv, c, dv + dk), dtype=torch.float32, device=q.device)
+    torch.mul(v.unflatten(0, (nc, c)).transpose(1, 2), bt.unflatten(0, (nc, c)).transpose(1, 2), out=rhs[..., :dv])
+    cum = g.unflatten(0, (nc, c)).permute(0, 2, 1).cumsum(-1)  # [nc, Hv, C]
+    torch.mul(k_beta, cum.exp()[..., None], out=rhs[..., dv:])
+    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    ut = torch.matmul(k_beta, key.transpose(-1, -2)).mul_(pair)
+    intra = torch.matmul(query, key.transpose(-1, -2)).mul_(pair)
+    both = _unit_lower_solve(ut, rhs)  # both right-hand sides at once
+    u_c, w_c = both[..., :dv], both[..., dv:]  # the corrected values and the decay-weighted cumulative keys
+    query.mul_(cum.exp()[..., None])
+    key.mul_((cum[..., -1:] - cum).exp_()[..., None])
+    chunk_decay = cum[..., -1].exp()  # [nc, Hv]
     # The only sequential part is the state entering each chunk: S_{i+1} = decay_i S_i + K_i^T (U_i - W_i S_i)
     # = A_i S_i + B_i with A_i = decay_i I - K_i^T W_i and B_i = K_i^T U_i (K: the decay-weighted keys, W: k_cum,
     # U: new_v). A and B of every chunk are two batched products; the recurrence is then one launch a chunk;
     # the corrected values and the outputs of all chunks are three batched products over the kept states.
     # Held at once: nc + 1 states, A and B (Hv x 128 x 128 fp32 each a chunk: ~200 MiB at 32 heads and 2048
     # tokens, bounded by the prefill chunk, not by the prompt).
-    w_c = k_cum.transpose(0, 1)  # [nc, Hv, C, dk]
-    key_t = key.transpose(-1, -2).transpose(0, 1)  # [nc, Hv, dk, C]
-    u_c = new_v.transpose(0, 1)  # [nc, Hv, C, dv]
+    key_t = key.transpose(-1, -2)  # [nc, Hv, dk, C]
     a_mat = torch.matmul(key_t, w_c).neg_()  # [nc, Hv, dk, dk]
-    a_mat.diagonal(dim1=-2, dim2=-1).add_(chunk_decay.transpose(0, 1)[..., 0])
+    a_mat.diagonal(dim1=-2, dim2=-1).add_(chunk_decay[..., None])
     b_mat = torch.matmul(key_t, u_c)  # [nc, Hv, dk, dv]
     states = torch.empty((nc + 1, hv, dk, dv), dtype=torch.float32, device=q.device)
     states[0] = state_ring[start % n]
     for i in range(nc):
         torch.baddbmm(b_mat[i], a_mat[i], states[i], out=states[i + 1])
-    s_in = states[:nc]  # [nc, Hv, dk, dv]: the state entering each chunk
-    v_new = (u_c - torch.matmul(w_c, s_in)).transpose(0, 1)  # [Hv, nc, C, dv]
-    s_in = s_in.transpose(0, 1)
     state_ring[(start + t) % n] = states[nc]
-    s_in = states[:nc].transpose(0, 1)  # [Hv, nc, dk, dv]: the state entering each chunk
-    out = torch.matmul(query, s_in) + torch.matmul(intra, v_new)
-    out = out.reshape(hv, -1, dv)[:, :t].transpose(0, 1)
-    return out.to(v.dtype).contiguous()
+    v_new = u_c - torch.matmul(w_c, states[:nc])  # [nc, Hv, C, dv]
+    out = torch.matmul(query, states[:nc]).add_(torch.matmul(intra, v_new))  # [nc, Hv, C, dv]
+    return out.transpose(1, 2).reshape(nc * c, hv, dv)[:t].to(v.dtype, memory_format=torch.contiguous_format)
 
 
 def gemv_add_rmsnorm(
