@@ -672,6 +672,10 @@ def section_ctx(model_dir: Path, lengths: list[int]) -> None:
     n = 32768 if top >= 32768 else lengths[-1]
     prompt = ids(n)
     spec_vs_greedy(eng, sess, prompt, 48, (1, 3, 5), f"9B-like, {n} context")
+    # --gemm exact: every decode product and attention computed the same way at any row count (bf16 too)
+    eng.model.set_gemm("exact")
+    spec_vs_greedy(eng, sess, prompt, 48, (1, 3, 5), f"9B-like --gemm exact, {n} context")
+    eng.model.set_gemm("cublas")
     del eng, sess
     torch.cuda.empty_cache()
     # bf16 sums in another order (a verify of width d+1 vs one row) can flip a near-tie of the random

@@ -66,7 +66,9 @@ class Model:
         # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
         self.mirror = False
         self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
-        self.fuse_norm = True  # proj_add_norm fuses where it can (off only to measure it: bench/gpu_bench.py pdl)
+        # proj_add_norm's fused combine + add + norm: off, as measured (bench/gpu_bench.py pdl, H200 2026-12-01:
+        # 9B-like --gemm auto 209.6 t/s unfused, 198.3 fused); on only to measure it again
+        self.fuse_norm = False
         self.pdl = False  # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py)
         self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:

@@ -410,13 +410,6 @@ for _ in range(2):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="seen on two H200s (2026-12-01): the close of a second two-GPU engine in one process (whose plans "
-    "capture NCCL all-reduces: only the first engine of a process gets symmetric memory) waited forever in "
-    "destroy_process_group, which waits for every graph holding the communicator to go "
-    "(pytorch/pytorch#115388); the close now releases the plans first, not yet confirmed on GPUs",
-    strict=False,
-)
 def test_two_gpu_engines_one_after_another_in_one_process_both_close(model_dir):
     """What the app does when the model is loaded again on two GPUs: load, run, close, twice, in one process.
     A hang is a failure here (the child is given 240 s), not a stuck test session."""
