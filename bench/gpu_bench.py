@@ -482,11 +482,18 @@ def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
             runs = run_prompts(eng, settings, n, [prompt] * reps, warm_n=n)
             row[d] = statistics.fmean(r["tokens_per_second"] for r in runs)
             means[d].append(row[d])
+            if d == "auto":  # where auto's timed rounds went, over its runs
+                spent: dict[int, int] = {}
+                for r in runs:
+                    for depth, c in r["round_cost_by_depth"].items():
+                        spent[depth] = spent.get(depth, 0) + c["rounds"]
         best = max(row[d] for d in depths if d != "auto")
         say(
             f"{name:<10} "
             + " ".join(f"{row[d]:7.0f}" for d in depths)
             + f"   {row['auto'] / best:5.3f} / {row['auto'] / row[3]:5.3f}"
+            + "   auto's rounds by depth: "
+            + " ".join(f"{k}:{v}" for k, v in sorted(spent.items()))
         )
     mean = {d: statistics.fmean(v) for d, v in means.items()}
     best_static = max(mean[d] for d in depths if d != "auto")

@@ -6,8 +6,9 @@ Model of a round at depth d:
   decayed counts (a position is "tried" in a round when every draft before it was accepted);
   expected tokens per round E(d) = 1 + sum_{i<=d} prod_{j<=i} p_j;
 - cost: T(d), the wall time of a round at depth d, decayed means of the rounds measured at d (rounds that
-  captured a plan are left out); a depth not measured yet is extrapolated from the measured ones
-  (linear in d through the two nearest, or +12% a step from one).
+  captured a plan are left out, and so are hiccups: a round far slower than the depth is believed to cost);
+  a depth not measured yet is extrapolated from the measured ones (linear in d through the two nearest, or
+  +12% a step from one).
 The controller picks argmax E(d) / T(d) over 1..max_depth, moving only when the best beats the current
 depth by more than `hysteresis` (so it does not flap), and now and then probes a neighbouring depth so
 that the curve it decides from stays measured on both sides.
@@ -22,6 +23,11 @@ PRIOR_STEP_DECAY = 1.0  # an untried position: the previous one's rate times thi
 PRIOR_WEIGHT = 3.0  # rounds' worth of belief in the prior (one unlucky early round does not drop the depth)
 EXPLORE_ROUNDS = 32  # after these, a probe goes only to a depth already measured (its plans exist: no capture)
 PRIOR_STEP_COST = 0.12  # an unmeasured depth from one measured one: +12% per step
+# A round slower than SPIKE x what the depth is believed to cost (its measured mean, or the extrapolation from
+# the other depths) is a hiccup of the host or the GPU, not the depth's cost: it is not timed (a depth without
+# a time yet is timed again next round), unless SPIKE_RUN rounds in a row are: then the costs really changed.
+SPIKE = 1.6
+SPIKE_RUN = 3
 
 
 class DepthController:
@@ -48,6 +54,8 @@ class DepthController:
         self._probe_gap = 2  # rounds between probes, doubling up to probe_every
         self._next_probe = 2
         self._remeasure: int | None = None
+        self._spikes = 0  # rounds in a row not timed as hiccups
+        self._settling: int | None = None  # a depth whose plans were just captured: its next round is not timed
         self._decided: tuple[list[float], list[float]] | None = None  # the curve and acceptance of the last choice
         # First, one visit to every other depth (its first round captures its plans, the next is timed), so
         # every T(d) is measured and later probes and moves find their plans: exploration costs its captures
@@ -135,10 +143,12 @@ class DepthController:
 
     def observe(self, depth: int, drafted: int, accepted: int, round_s: float, captured: bool) -> None:
         """What the round at `depth` did: `drafted` drafts were valid (p_min may cut some), `accepted` of them
-        matched; `captured` rounds (a plan was recorded) are not timed."""
+        matched; `captured` rounds (a plan was recorded) are not timed, nor is the round after one at its depth."""
         self.rounds += 1
-        if captured:  # its plans exist now: the next round runs at this depth again and is timed
-            self._remeasure = depth
+        if captured:  # its plans exist now: the depth runs again, first untimed (a graph's first launch
+            self._remeasure = self._settling = depth  # uploads it to the GPU), then timed
+        elif depth == self._settling:
+            self._remeasure, self._settling, captured = depth, None, True
         for i in range(self.max_depth):
             self.tried[i] *= self.decay
             self.hits[i] *= self.decay
@@ -147,6 +157,13 @@ class DepthController:
             if i < accepted:
                 self.hits[i] += 1.0
         if not captured and round_s > 0 and math.isfinite(round_s) and 1 <= depth <= self.max_depth:
+            believed = self.round_time()[depth - 1]
+            if believed is not None and round_s > SPIKE * believed and self._spikes < SPIKE_RUN - 1:
+                self._spikes += 1
+                if self.time_n[depth] <= 0:
+                    self._remeasure = depth
+                return
+            self._spikes = 0
             for d in range(1, self.max_depth + 1):
                 self.time_sum[d] *= self.decay
                 self.time_n[d] *= self.decay

@@ -102,7 +102,8 @@ class EngineSettings:
         "Plan pool",
         "pool",
         "Captured plans (CUDA graphs) kept, keyed by batch width, least recently used dropped first "
-        f"(0–{MAX_PLAN_POOL}; 0 = no graphs).",
+        f"(0–{MAX_PLAN_POOL}; 0 = no graphs). With draft depth Auto: at least two per depth up to its "
+        "maximum, and two.",
         "--plan-pool",
         "graphs",
         (0, MAX_PLAN_POOL),
@@ -162,6 +163,15 @@ class EngineSettings:
     def adaptive(self) -> bool:
         """The depth is chosen by the engine each round (draft_depth="auto")."""
         return self.draft_depth == "auto"
+
+    @property
+    def auto_plan_pool(self) -> int:
+        """The plans kept while the depth is "auto": at least a draft and a verify plan for every depth it may
+        use, and the one-row verify (fewer, and the plans of the depths it moves between would be captured
+        again and again in the middle of a run). plan_pool 0 (no graphs) stays 0."""
+        if self.plan_pool <= 0:
+            return 0
+        return min(MAX_PLAN_POOL, max(self.plan_pool, 2 * self.max_draft_depth + 2))
 
     @property
     def synthetic(self) -> bool:

@@ -542,7 +542,8 @@ class LeaderRounds:
             if ctrl is None or ctrl.max_depth != settings.max_draft_depth:
                 ctrl = self.sess.depth_controller = DepthController(settings.max_draft_depth)
             self.controller = ctrl
-            settings = settings.replace(draft_depth=ctrl.choose() if settings.speculative else 1)
+            depth = ctrl.choose() if settings.speculative else 1
+            settings = settings.replace(draft_depth=depth, plan_pool=settings.auto_plan_pool)
         if self.cluster is not None:
             self.cluster.send_round(settings, cancelled)
         return settings, cancelled

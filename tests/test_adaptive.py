@@ -13,9 +13,10 @@ from engine.adaptive import DepthController
 PROMPT = "def main():\n    for i in range(10):\n        print(i)\n"
 
 
-def simulate(rates, cost, rounds=900, seed=0, max_depth=8):
+def simulate(rates, cost, rounds=900, seed=0, max_depth=8, hiccups=0.0):
     """Run the controller against a synthetic target: per-position acceptance `rates`, round time
-    cost(d). Returns (controller, tokens per second over the second half, the best static figure)."""
+    cost(d), a share `hiccups` of rounds 3x slower (the host or GPU busy elsewhere). Returns (controller,
+    tokens per second over the second half, the best static figure)."""
     rng = random.Random(seed)
     ctrl = DepthController(max_depth)
     tokens = time = 0.0
@@ -25,6 +26,7 @@ def simulate(rates, cost, rounds=900, seed=0, max_depth=8):
         while accepted < d and rng.random() < rates[accepted]:
             accepted += 1
         t = cost(d) * (1 + 0.05 * (rng.random() - 0.5))  # a noisy clock
+        t *= 3.0 if hiccups and rng.random() < hiccups else 1.0  # (no draw without hiccups: the same stream)
         ctrl.observe(d, d, accepted, t, captured=r < 3)
         if r >= rounds // 2:
             tokens += accepted + 1
@@ -37,7 +39,7 @@ def simulate(rates, cost, rounds=900, seed=0, max_depth=8):
             total += run
         return total / cost(d)
 
-    best = max(expected(d) for d in range(1, max_depth + 1))
+    best = max(expected(d) for d in range(1, max_depth + 1)) / (1 + 2.0 * hiccups)  # hiccups slow every depth
     return ctrl, tokens / time, best
 
 
@@ -75,6 +77,51 @@ def test_on_9b_real_costs_auto_is_within_two_percent_of_the_best_depth_on_averag
         _, achieved, best = simulate(rates, lambda d: costs[d - 1], rounds=600, seed=seed)
         shares.append(achieved / best)
     assert sum(shares) / len(shares) >= 0.98, shares
+
+
+def test_hiccups_do_not_mislead_the_controller():
+    """3% of rounds 3x slower (a GC pause, another process on the GPU): a hiccup that lands on the one timed
+    round of a depth must not rule that depth out. Per seed, against the best static depth's expected rate."""
+    rates = [0.873, 0.778, 0.675, 0.6, 0.55, 0.5, 0.45, 0.4]
+    costs = [6.156, 7.167, 7.957, 8.749, 9.437, 10.254, 11.165, 11.913]
+    shares = []
+    for seed in range(12):
+        _, achieved, best = simulate(rates, lambda d: costs[d - 1], rounds=300, seed=seed, hiccups=0.03)
+        shares.append(achieved / best)
+    assert min(shares) >= 0.93 and sum(shares) / len(shares) >= 0.97, shares
+
+
+def test_a_slow_round_is_a_hiccup_until_it_repeats():
+    """One round far slower than its depth is known to cost leaves the cost alone; three in a row are the new
+    cost (the GPU got slower: another process, a clock drop)."""
+    ctrl = DepthController(4, start_depth=2)
+    for _ in range(5):
+        ctrl.observe(2, 2, 1, 0.010, captured=False)
+    ctrl.observe(2, 2, 1, 0.050, captured=False)
+    assert ctrl.round_time()[1] == pytest.approx(0.010)
+    for _ in range(2):
+        ctrl.observe(2, 2, 1, 0.050, captured=False)
+    assert ctrl.round_time()[1] > 0.015
+
+
+def test_the_first_round_after_a_capture_is_not_timed():
+    """A graph's first launch uploads it: the round after a capture runs the depth again untimed, then times it."""
+    ctrl = DepthController(4, start_depth=2)
+    ctrl.observe(2, 2, 1, 0.500, captured=True)
+    assert ctrl.choose() == 2
+    ctrl.observe(2, 2, 1, 0.030, captured=False)  # the first replay: slow, not counted
+    assert ctrl.time_n[2] == 0 and ctrl.choose() == 2
+    ctrl.observe(2, 2, 1, 0.010, captured=False)
+    assert ctrl.round_time()[1] == pytest.approx(0.010)
+
+
+def test_auto_depth_keeps_two_plans_per_depth_it_may_use():
+    """The pool an adaptive depth runs with: a draft and a verify plan per depth up to the maximum, and the
+    one-row verify; a larger pool is kept, and no graphs (0) stays no graphs."""
+    assert EngineSettings(draft_depth="auto", max_draft_depth=8).auto_plan_pool == 18
+    assert EngineSettings(draft_depth="auto", max_draft_depth=3, plan_pool=12).auto_plan_pool == 12
+    assert EngineSettings(draft_depth="auto", max_draft_depth=3).auto_plan_pool == 8
+    assert EngineSettings(draft_depth="auto", plan_pool=0).auto_plan_pool == 0
 
 
 def test_a_change_of_workload_moves_the_depth():
@@ -149,8 +196,8 @@ def test_auto_depth_on_two_ranks_is_lossless(tiny_model_dir, greedy):
 
 
 def test_a_new_controller_measures_every_depth_once_then_probes_only_measured_ones():
-    """Exploration is paid at the start of a session: each depth is visited (its plans captured, then timed
-    on the next round), so a later probe or move never lands on a depth without plans in the middle of a run."""
+    """Exploration is paid at the start of a session: each depth is visited (its plans captured, replayed once,
+    then timed), so a later probe or move never lands on a depth without plans in the middle of a run."""
     ctrl = DepthController(6, start_depth=3)
     visited = []
     for r in range(200):
@@ -161,7 +208,7 @@ def test_a_new_controller_measures_every_depth_once_then_probes_only_measured_on
         if r == 40:
             assert all(ctrl.time_n[x] > 0 for x in range(1, 7)), ctrl.time_n  # every depth timed
     first = {d: visited.index(d) for d in range(1, 7)}
-    assert max(first.values()) < 2 * 6 + 2  # the sweep: one capture round and one timed round a depth
+    assert max(first.values()) < 3 * 6 + 2  # the sweep: a capture round, a first replay and a timed round a depth
     late = visited[40:]
     for i, d in enumerate(late):
         if i and d != late[i - 1]:

@@ -77,6 +77,24 @@ def test_plans_hit_and_pool_size_matters(cuda_engines):
     assert eng.memory()["graph_pools"] > 0
 
 
+def test_auto_depth_keeps_the_plans_of_every_depth_it_moves_between(cuda_engines):
+    """draft_depth "auto" with the default pool (8 plans, fewer than 2 for each of 8 depths): once a first run
+    has visited every depth, a second run on the session captures nothing (its pool is raised to hold them:
+    a plan captured again mid-run costs milliseconds a time), and the text is still greedy."""
+    eng = cuda_engines.get("bundled", cuda_engines["tiny"])
+    prompt = load_workloads()["code_edit"].prompt_for(eng.tokenizer)
+    sess = eng.new_session()
+    ref = eng.generate(prompt, 128, EngineSettings(speculative=False), sess).tokens
+    auto = EngineSettings(draft_depth="auto", max_draft_depth=8)
+    assert auto.plan_pool == 8 < auto.auto_plan_pool
+    sess.reset()
+    eng.generate(prompt, 256, auto, sess)  # the controller's sweep: every depth captured once
+    sess.reset()
+    out = eng.generate(prompt, 128, auto, sess)
+    assert out.tokens == ref
+    assert out.stats["plan_misses"] == 0, out.stats["round_cost_by_depth"]
+
+
 @pytest.mark.parametrize("rates", [(), (0.873, 0.778, 0.675)], ids=["real", "synthetic"])
 def test_one_host_sync_per_round(cuda_engines, rates):
     """Rounds run under sync debug mode "error": any hidden host synchronisation raises, except the one
