@@ -176,12 +176,12 @@ def test_attention_cached(kc, monkeypatch, impl, dtype, hq, hkv, d, t, start, te
 @pytest.mark.parametrize("combine", ["par", "serial"])
 @pytest.mark.parametrize("impl", ATT_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,start", [(1, 20000), (17, 32768 - 17), (4, 32000)])
+@pytest.mark.parametrize("t,start", [(1, 20000), (17, 32768 - 17), (4, 32000), (17, 100_000)])
 def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start):
     monkeypatch.setattr(kc, "_ATT_IMPL", impl)
     monkeypatch.setattr(kc, "_ATT_COMBINE", combine)
     torch.manual_seed(start)
-    max_ctx, hq, hkv, d = 32768, 16, 4, 256
+    max_ctx, hq, hkv, d = max(32768, start + t), 16, 4, 256
     kcache = rnd(max_ctx, hkv, d, dtype=dtype)
     vcache = rnd(max_ctx, hkv, d, dtype=dtype)
     q = rnd(t, hq, d, dtype=dtype, scale=3.0)

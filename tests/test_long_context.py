@@ -154,3 +154,26 @@ def test_a_bad_trained_length_in_config_json_is_a_clear_error(tiny_model_dir, tm
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="max_position_embeddings must be an integer in 0"):
         Engine.load(bad)
+
+
+@pytest.mark.gpu
+def test_speculative_equals_greedy_past_100k_positions_on_the_gpu():
+    """Verify rows past 100k positions (decode attention split over the whole cache, KV and delta-net state
+    rolled back after each rejection) stay lossless: the bundled model in fp32 on a 100k-token prompt,
+    speculative (chain, depth 3 and 5) == plain greedy."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine import bundled_model_dir
+
+    n = 100_000
+    eng = Engine.load(bundled_model_dir(), device="cuda", dtype="float32", max_context=n + 256)
+    prompt = eng.tokenizer.encode("def f(x):\n    return x + 1\n" * 12_000)[:n]
+    assert len(prompt) == n
+    sess = eng.new_session()
+    greedy = eng.generate(prompt, 64, EngineSettings(speculative=False, plan_pool=8), sess).tokens
+    for depth in (3, 5):
+        sess.reset()
+        out = eng.generate(prompt, 64, EngineSettings(draft_depth=depth, chain=True, plan_pool=8), sess)
+        assert out.tokens == greedy, depth
+        assert out.stats["accepted"] > 0  # rounds really verified drafts at these positions
