@@ -120,6 +120,29 @@ __device__ __forceinline__ scalar_t gated_out(float o, const scalar_t* __restric
 // Longer rows take the looped path. Both compute the same expressions.
 #define NORM_REG 8
 
+// The register path's second half: a row's NORM_REG values a thread holds (v, the sum s; wv, the weight) are
+// stored to s (when sr is non-null), summed over the block and normed into y. Shared by add_rmsnorm and
+// the gemv's fused combine + add + norm, so both round and sum in the same order.
+__device__ __forceinline__ void norm_store_regs(const float (&v)[NORM_REG], const float (&wv)[NORM_REG],
+                                                scalar_t* __restrict__ sr, scalar_t* __restrict__ yr, int d,
+                                                float eps, float* sh) {
+    const int nt = blockDim.x;
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < NORM_REG; ++k) {
+        const int i = threadIdx.x + k * nt;
+        if (sr && i < d) sr[i] = from_f<scalar_t>(v[k]);
+        ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, sh);
+    const float rs = rsqrtf(ss / (float)d + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_REG; ++k) {
+        const int i = threadIdx.x + k * nt;
+        if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));
+    }
+}
+
 // add_rmsnorm: s = x + residual (one rounding to dtype), y = rmsnorm(s). With r == nullptr it is rmsnorm of x
 // (nothing added, s not written): one implementation for both ops.
 template <typename W>
@@ -136,7 +159,6 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
     const int nt = blockDim.x;
     if (d <= NORM_REG * nt) {
         float v[NORM_REG], wv[NORM_REG];
-        float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < NORM_REG; ++k) {
             const int i = threadIdx.x + k * nt;
@@ -144,19 +166,7 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
             v[k] = rr ? rnd<scalar_t>(a + (i < d ? to_f(rr[i]) : 0.f)) : a;  // s = x + residual (in dtype)
             wv[k] = i < d ? to_f(w[i]) : 0.f;
         }
-#pragma unroll
-        for (int k = 0; k < NORM_REG; ++k) {
-            const int i = threadIdx.x + k * nt;
-            if (sr && i < d) sr[i] = from_f<scalar_t>(v[k]);
-            ss += v[k] * v[k];
-        }
-        ss = block_sum(ss, sh);
-        const float rs = rsqrtf(ss / (float)d + eps);
-#pragma unroll
-        for (int k = 0; k < NORM_REG; ++k) {
-            const int i = threadIdx.x + k * nt;
-            if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));
-        }
+        norm_store_regs(v, wv, sr, yr, d, eps, sh);
         return;
     }
     float ss = 0.f;
@@ -213,7 +223,6 @@ __device__ __forceinline__ void combine_add_rmsnorm_impl(const float* __restrict
     scalar_t* yr = y + row * (long long)d;
     const int nt = blockDim.x;
     float v[NORM_REG], wv[NORM_REG];
-    float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) {
         const int i = threadIdx.x + k * nt;
@@ -225,19 +234,7 @@ __device__ __forceinline__ void combine_add_rmsnorm_impl(const float* __restrict
         v[k] = rnd<scalar_t>(a + (i < d ? to_f(rr[i]) : 0.f));  // s = x + residual (in dtype)
         wv[k] = i < d ? to_f(w[i]) : 0.f;
     }
-#pragma unroll
-    for (int k = 0; k < NORM_REG; ++k) {
-        const int i = threadIdx.x + k * nt;
-        if (i < d) sr[i] = from_f<scalar_t>(v[k]);
-        ss += v[k] * v[k];
-    }
-    ss = block_sum(ss, sh);
-    const float rs = rsqrtf(ss / (float)d + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_REG; ++k) {
-        const int i = threadIdx.x + k * nt;
-        if (i < d) yr[i] = from_f<scalar_t>(v[k] * rs * (1.0f + wv[k]));
-    }
+    norm_store_regs(v, wv, sr, yr, d, eps, sh);
 }
 
 extern "C" __global__ void combine_add_rmsnorm_ws(const float* part, int S, const scalar_t* r, long long rs,
