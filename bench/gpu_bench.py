@@ -582,23 +582,34 @@ def section_real(n: int) -> None:
     step = 1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d
     say(f"{'':<20}32768 of an order {step:>13.3f} {tps(runs):>8.1f} {tps(runs) / full_tps:>7.2f}x")
     eng.set_sub_vocab_order(None)
-    # the same two draft steps with the gemv kernels where they beat cuBLAS (--gemm auto, measured from scratch)
-    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")
-    try:
-        eng.model.set_gemm("auto", cache_dir=cache)
+
+    def draft_steps(label: str) -> None:  # the full and the 32k draft step again, as the model is set now
         steps = {}
         for sub in (0, 32768):
             runs = run(syn(draft_depth=d, chain=True, sub_vocab=sub))
             steps[sub] = (1e3 * runs[-1]["round_cost_by_depth"][d]["draft_s"] / d, tps(runs))
         say(
-            f"with --gemm auto: draft step full {steps[0][0]:.3f} ms, 32768 {steps[32768][0]:.3f} ms "
+            f"{label}: draft step full {steps[0][0]:.3f} ms, 32768 {steps[32768][0]:.3f} ms "
             f"({steps[0][0] / steps[32768][0]:.1f}x cheaper); {steps[0][1]:.1f} / {steps[32768][1]:.1f} t/s"
         )
+
+    # the same two draft steps with the gemv kernels where they beat cuBLAS (--gemm auto, measured from scratch),
+    # then with programmatic dependent launch (a step's ~20 small kernels start while the previous one ends)
+    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")
+    try:
+        eng.model.set_gemm("auto", cache_dir=cache)
+        draft_steps("with --gemm auto")
     except EngineError as e:
         say(f"with --gemm auto: unavailable ({e})")
     finally:
         eng.model.set_gemm("cublas")
         shutil.rmtree(cache, ignore_errors=True)
+    eng.set_model_option("pdl", True)
+    if eng.model.pdl:
+        draft_steps("with PDL (gemm cublas)")
+    else:
+        say("with PDL: unavailable on this GPU")
+    eng.set_model_option("pdl", False)
     on, off = tps(run(syn(draft_depth=5, chain=True))), tps(run(syn(draft_depth=5, chain=False)))
     say(f"depth 5: chain on {on:.1f} t/s, chain off {off:.1f} t/s: chain {on / off:.2f}x")
     say()
