@@ -59,6 +59,20 @@ def rates_text(rates: tuple[float, ...]) -> str:
     return ", ".join(f"{r:g}" for r in rates) + f" (then {rates[-1]:g})" if rates else "off"
 
 
+def compare_ranges(va: list[float], vb: list[float]) -> str:
+    """B against A from their repeats: 'faster' / 'slower' when B's range lies wholly above / below A's, else
+    'no clear difference' (one repeat has no spread: 'one round, no spread')."""
+    if not va or not vb:
+        return "not measured"
+    if len(va) < 2 or len(vb) < 2:
+        return "one round, no spread"
+    if min(vb) > max(va):
+        return "faster"
+    if max(vb) < min(va):
+        return "slower"
+    return "no clear difference"
+
+
 @dataclass(frozen=True)
 class BenchArm:
     name: str
@@ -130,16 +144,7 @@ class BenchReport:
     def verdict(self, a: str, b: str, workload: str | None = None) -> str:
         """'faster' / 'slower' when B's per-round range lies wholly above / below A's, else
         'no clear difference'. One round has no spread: 'one round, no spread'."""
-        va, vb = self.round_values(a, workload), self.round_values(b, workload)
-        if not va or not vb:
-            return "not measured"
-        if len(va) < 2 or len(vb) < 2:
-            return "one round, no spread"
-        if min(vb) > max(va):
-            return "faster"
-        if max(vb) < min(va):
-            return "slower"
-        return "no clear difference"
+        return compare_ranges(self.round_values(a, workload), self.round_values(b, workload))
 
     @property
     def synthetic(self) -> bool:

@@ -468,31 +468,42 @@ def section_s(eng: Engine, n: int) -> None:
     say()
 
 
-def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
-    """draft_depth="auto" against every static depth 1..8 (chain on), per workload, side by side."""
-    say("== (auto) adaptive depth vs every static depth 1..8, per workload (bf16, chain on) ==")
+def section_auto(eng: Engine, n: int, reps: int = 3) -> None:
+    """draft_depth="auto" against every static depth 1..8 (chain on), per workload, side by side: the median of
+    `reps` runs per cell, and auto against the best static depth by their ranges (app/bench.py's rule: a
+    difference inside the spread is no clear difference)."""
+    from app.bench import compare_ranges
+
+    say(f"== (auto) adaptive depth vs every static depth 1..8, per workload (bf16, chain on), median of {reps} ==")
     prompts = {name: w.prompt_for(eng.tokenizer) for name, w in load_workloads().items()}
     depths: list[int | str] = [*range(1, 9), "auto"]
     say(f"{'workload':<10} " + " ".join(f"{str(d):>7}" for d in depths) + "   auto vs best static / vs depth 3")
     means = {d: [] for d in depths}
+    notes = []
     for name, prompt in prompts.items():
-        row = {}
+        row, values = {}, {}
         for d in depths:
             settings = EngineSettings(draft_depth=d, max_draft_depth=8, chain=True, plan_pool=16)
             runs = run_prompts(eng, settings, n, [prompt] * reps, warm_n=n)
-            row[d] = statistics.fmean(r["tokens_per_second"] for r in runs)
+            values[d] = [r["tokens_per_second"] for r in runs]
+            row[d] = statistics.median(values[d])
             means[d].append(row[d])
             if d == "auto":  # where auto's timed rounds went, over its runs
                 spent: dict[int, int] = {}
                 for r in runs:
                     for depth, c in r["round_cost_by_depth"].items():
                         spent[depth] = spent.get(depth, 0) + c["rounds"]
-        best = max(row[d] for d in depths if d != "auto")
+        best_d = max((d for d in depths if d != "auto"), key=lambda d: row[d])
+        best = row[best_d]
         say(
             f"{name:<10} "
             + " ".join(f"{row[d]:7.0f}" for d in depths)
             + f"   {row['auto'] / best:5.3f} / {row['auto'] / row[3]:5.3f}"
-            + "   auto's rounds by depth: "
+        )
+        lo, hi = min(values[best_d]), max(values[best_d])
+        notes.append(
+            f"{name:<10} auto {min(values['auto']):.0f}..{max(values['auto']):.0f} vs depth {best_d} {lo:.0f}..{hi:.0f}: "
+            f"auto {compare_ranges(values[best_d], values['auto'])}; auto's rounds by depth: "
             + " ".join(f"{k}:{v}" for k, v in sorted(spent.items()))
         )
     mean = {d: statistics.fmean(v) for d, v in means.items()}
@@ -502,6 +513,8 @@ def section_auto(eng: Engine, n: int, reps: int = 2) -> None:
         + " ".join(f"{mean[d]:7.0f}" for d in depths)
         + f"   {mean['auto'] / best_static:5.3f} / {mean['auto'] / mean[3]:5.3f}"
     )
+    for line in notes:
+        say(line)
     say()
 
 
