@@ -195,19 +195,18 @@ def _catch_up(model: DecodeModel, state: SessionState, rows: int) -> torch.Tenso
     return y.index_select(0, state.mtp_last_buf)
 
 
-def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) -> int:
-    """How many catch-up rows a chained draft computes: at least depth + 1 and at least the most this session
-    has computed, so the draft plan of a depth is one shape whatever the rounds before did (pending =
-    accepted + 1 <= previous depth + 1). Keyed by the exact pending count, a depth needed depth + 1 plans,
-    and an adaptive depth moving between neighbours (a round at 7 after one at 8 has up to 9 pending rows)
-    kept adding shapes, filled the plan pool and recaptured in the middle of runs. Exact where the padded
-    rows would pass the end of the caches."""
-    rows = max(pending, depth + 1, state.catch_up_floor)
-    if first + rows > state.max_context:
-        return pending
-    if rows <= MAX_CAPTURED_CATCHUP:  # a longer catch-up (after plain rounds) runs eagerly, once
-        state.catch_up_floor = rows
-    return rows
+def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) -> tuple[int, int]:
+    """(catch-up rows, draft steps) of a chained draft: depth + 1 rows and depth steps, the shape a static run of
+    that depth has. A round after a deeper one can have more pending rows (up to the previous depth + 1): it runs
+    the plan of the depth those rows belong to (pending - 1 steps; the verify reads only `depth` drafts), so every
+    depth keeps one draft shape and costs what it costs in a static run. (Padding every depth's catch-up to the
+    most rows the session had computed kept one shape too, but made every depth below the deepest one visited
+    pay the deepest one's catch-up.) Exact where the rows or steps would pass the end of the caches."""
+    rows = max(pending, depth + 1)
+    steps = max(depth, rows - 1)
+    if first + rows > state.max_context or first + rows + steps > state.max_context:
+        return pending, depth
+    return rows, steps
 
 
 def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:
@@ -437,24 +436,24 @@ def run_round(
         sub = settings.sub_vocab
         remapped = model.draft_ids(sub) is not None
         vq = vocab if remapped else sub or vocab  # with an order, q rows are scattered over the token ids
-        rows = _catch_up_rows(state, first, width_mtp, depth)
+        rows, steps = _catch_up_rows(state, first, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
-                ("draft", rows, depth, sub, *model.plan_tag, sp.plan_key),
+                ("draft", rows, steps, sub, *model.plan_tag, sp.plan_key),
                 pool,
-                lambda: _draft_chain_sampled(model, state, bufs, rows, depth, sub, sp),
+                lambda: _draft_chain_sampled(model, state, bufs, rows, steps, sub, sp),
             )
         else:
             _draft_chain_sampled(model, state, bufs, width_mtp, depth, sub, sp)
     elif settings.chain:
         sub = settings.sub_vocab
         remapped = model.draft_ids(sub) is not None
-        rows = _catch_up_rows(state, first, width_mtp, depth)
+        rows, steps = _catch_up_rows(state, first, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
-                ("draft", rows, depth, sub, *model.plan_tag),
+                ("draft", rows, steps, sub, *model.plan_tag),
                 pool,
-                lambda: _draft_chain(model, state, rows, depth, sub),
+                lambda: _draft_chain(model, state, rows, steps, sub),
             )
         else:
             _draft_chain(model, state, width_mtp, depth, sub)

@@ -106,9 +106,6 @@ class SessionState:
         self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
         self.sampling_buffers: SamplingBuffers | None = None  # made at the first sampled round (engine/sampling.py)
-        # The most MTP catch-up rows a draft plan of this session has computed (engine/spec.py _catch_up_rows);
-        # kept across reset(), like the session's plans, whose shapes it decides.
-        self.catch_up_floor = 0
         self.reset()
 
     def row_offsets(self, n: int) -> torch.Tensor:

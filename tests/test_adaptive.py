@@ -217,8 +217,9 @@ def test_a_new_controller_measures_every_depth_once_then_probes_only_measured_on
 
 def test_a_depth_moving_between_neighbours_keeps_one_draft_plan_shape_per_depth(monkeypatch):
     """A round at depth 7 after one at 8 has up to 9 pending MTP rows; keyed by that count, every move added a
-    plan shape, the pool overflowed and recaptured mid-run. The catch-up is padded to the most rows the session
-    has computed, so each depth has one draft shape; and the text is still plain greedy."""
+    plan shape, the pool overflowed and recaptured mid-run. Such a round runs the draft plan of the depth its rows
+    belong to, so each depth has one draft shape, that of a static run (depth + 1 rows: not padded to the deepest
+    depth visited, which made every shallower depth pay its catch-up); and the text is still plain greedy."""
     from engine.plans import PlanPool
 
     keys = []
@@ -239,4 +240,4 @@ def test_a_depth_moving_between_neighbours_keeps_one_draft_plan_shape_per_depth(
     for key in keys:
         if key[0] == "draft":
             shapes.setdefault(key[2], set()).add(key[1])  # depth -> catch-up row counts
-    assert len(shapes) == 4 and all(len(rows) == 1 for rows in shapes.values()), shapes
+    assert len(shapes) == 4 and all(rows == {depth + 1} for depth, rows in shapes.items()), shapes
