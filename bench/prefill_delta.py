@@ -1,6 +1,6 @@
 """Prefill's delta-net layer on the GPU, before and after, in one run: the chunked delta rule of
 kernels/reference.py against its previous batched form (kept below only to be timed against) and variants
-(triangular solve as a product of powers, TF32 products), on the 9B-like delta-net shape; then the 9B-like
+(TF32 products), on the 9B-like delta-net shape; then the 9B-like
 prefill of a 4k prompt end to end with each, and with the causal conv as the reference's conv1d (before)
 or the CUDA kernel's parallel runs (after). --profile: the GPU kernels of one call of each.
 
@@ -61,7 +61,7 @@ def previous_form(
     ut = (k_beta @ key.transpose(-1, -2)) * pair
     intra = (query @ key.transpose(-1, -2)) * pair
     dk_beta = k_beta * cum.exp()[..., None]
-    both = R._unit_lower_solve(ut, torch.cat((v_beta, dk_beta), -1))  # both right-hand sides at once
+    both = torch.linalg.solve_triangular(ut, torch.cat((v_beta, dk_beta), -1), upper=False, unitriangular=True)
     new_v, k_cum = both[..., :dv], both[..., dv:]
     query = query * cum.exp()[..., None]
     key = key * (cum[..., -1:] - cum).exp()[..., None]
@@ -94,28 +94,23 @@ BATCHED = R.chunk_gated_delta_rule  # kept: the 9B section below swaps the modul
 
 
 class Form:
-    """A way to run the chunked rule: the batched form with its triangular solve ("solve" or "inv") and fp32
-    products in full fp32 or TF32; or the previous batched form."""
+    """A way to run the chunked rule: the batched form with its fp32 products in full fp32 or TF32, or the
+    previous batched form. (The triangular solve as a product of powers was timed here too, on 2026-12-01:
+    slower in fp32; bench/results/h200-prefill-2026-12-01.txt.)"""
 
-    def __init__(self, name: str, tri: str = "solve", tf32: bool = False, previous: bool = False):
-        self.name, self.tri, self.tf32, self.previous = name, tri, tf32, previous
+    def __init__(self, name: str, tf32: bool = False, previous: bool = False):
+        self.name, self.tf32, self.previous = name, tf32, previous
 
     def __call__(self, *args):
-        saved = (R._TRI_SOLVE, torch.backends.cuda.matmul.allow_tf32)
-        R._TRI_SOLVE, torch.backends.cuda.matmul.allow_tf32 = self.tri, self.tf32
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
         try:
             return (previous_form if self.previous else BATCHED)(*args)
         finally:
-            R._TRI_SOLVE, torch.backends.cuda.matmul.allow_tf32 = saved
+            torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-FORMS = [
-    Form("previous", previous=True),
-    Form("batched"),
-    Form("batched, inv", tri="inv"),
-    Form("batched, tf32", tf32=True),
-    Form("batched, inv, tf32", tri="inv", tf32=True),
-]
+FORMS = [Form("previous", previous=True), Form("batched"), Form("batched, tf32", tf32=True)]
 
 
 def profile_top(fn, n: int = 14) -> None:

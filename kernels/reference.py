@@ -211,24 +211,6 @@ def gated_delta_rule(
     return out.to(v.dtype)
 
 
-_TRI_SOLVE = "solve"  # "solve": torch.linalg.solve_triangular; "inv": the product form below (bench/prefill_delta.py)
-
-
-def _unit_lower_solve(lower: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """X with (I + N) X = rhs, N the strictly lower part of `lower` (its diagonal is taken as ones).
-
-    "inv": (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N is nilpotent: N^C = 0 for C x C), log2(C) rounds
-    of two batched products, then one product with rhs."""
-    if _TRI_SOLVE == "solve":
-        return torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-    m = lower.tril(-1).neg_()
-    inv = m + torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    for _ in range(max(0, (m.shape[-1] - 1).bit_length() - 1)):
-        m = m @ m
-        inv = torch.baddbmm(inv.flatten(0, -3), inv.flatten(0, -3), m.flatten(0, -3)).view_as(inv)
-    return inv @ rhs
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -284,7 +266,7 @@ def chunk_gated_delta_rule(
     pair = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
     ut = torch.matmul(k_beta, key.transpose(-1, -2)).mul_(pair)
     intra = torch.matmul(query, key.transpose(-1, -2)).mul_(pair)
-    both = _unit_lower_solve(ut, rhs)  # both right-hand sides at once
+    both = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)  # both right-hand sides at once
     u_c, w_c = both[..., :dv], both[..., dv:]  # the corrected values and the decay-weighted cumulative keys
     query.mul_(cum.exp()[..., None])
     key.mul_((cum[..., -1:] - cum).exp_()[..., None])
