@@ -157,10 +157,11 @@ class DepthController:
             if i < accepted:
                 self.hits[i] += 1.0
         if not captured and round_s > 0 and math.isfinite(round_s) and 1 <= depth <= self.max_depth:
-            believed = self.round_time()[depth - 1]
+            measured = self.time_n[depth] > 0  # its own mean, else the extrapolation (only then all depths' curve)
+            believed = self.time_sum[depth] / self.time_n[depth] if measured else self.round_time()[depth - 1]
             if believed is not None and round_s > SPIKE * believed and self._spikes < SPIKE_RUN - 1:
                 self._spikes += 1
-                if self.time_n[depth] <= 0:
+                if not measured:
                     self._remeasure = depth
                 return
             self._spikes = 0
