@@ -363,23 +363,21 @@ _ATT_MIN_KEYS_PER_SPLIT = 64
 # at once. Timed on the H200 ([T, 16, 256] bf16, 4 KV heads, device start, us per call at 1k/32k/128k):
 # "warp", T=1: 2 a SM 13.6/431/1802, 8 a SM 16.2/139/519 (more: capped at _ATT_MAX_SPLITS, no faster);
 # "tile", T=4: 2 a SM 46.7/265/954, 4 a SM 56.0/294/960 (it already shares K/V tiles between rows).
-# "vec" (bench/attention_sweep.py, 2026-12-01): T=1 4 a SM 14.1/56.2/184.8 (8 a SM: the same, capped by
-# _ATT_MAX_SPLITS; unroll 4: 16.6/61.4/179.7); T=4 14.7/175/668 against "tile" 46.6/263/952; T=16 33/690/2710
-# against "tile" 52/1042/4080. An earlier grouped "warp" walk with 2-byte loads was 26.9/233/883 at T=1 (its
-# four heads' register state cut the loads in flight more than the shared reads saved).
+# "vec"/"vecb": see the sweep above (4 a SM beat 8). An earlier grouped "warp" walk with 2-byte loads was
+# 26.9/233/883 at T=1 (its four heads' register state cut the loads in flight more than the shared reads saved).
 _ATT_WARP_BLOCKS_PER_SM = 8
 _ATT_TILE_BLOCKS_PER_SM = 2
-# "vec" (the default for one query token where the shapes allow): a block serves the query heads of one kv
-# head with 16-byte loads, K and V of two key steps in flight per lane (decode_kernels.cu, attn_vec_impl).
+# "vec"/"vecb": a block serves the query heads of one kv head with 16-byte loads, K and V of two key steps in
+# flight per lane (decode_kernels.cu, attn_vec_impl).
 _ATT_VEC_BLOCKS_PER_SM = 4
 _ATT_VEC_MIN_STEPS = 2
 _ATT_VEC_UNROLL = 2  # key steps whose K and V loads a lane issues together: 2 or 4 (kernels for both)
 _ATT_VEC_MIN_SPLITS = 16  # wide verify rows still get the context split (T=16: 16 splits beat 8)
-# Up to this many query rows "auto" takes "vec" (one block per row reads K/V again, from L2); past it "tile".
+# Up to this many query rows "auto" takes "vecb"/"vec" (one block per row reads K/V again, from L2); past it "tile".
 _ATT_VEC_MAX_ROWS = 17
 # Row-invariant decode attention (gemm mode "exact", set_row_invariant): the splits come from the cache size
 # only (not the row count, not whether `start` is on the host), so a row's result is the same in a verify of
-# T rows as in a one-row step; "vec" where it fits, else "warp", for every width up to _ATT_MAX_KERNEL_ROWS.
+# T rows as in a one-row step; "vecb"/"vec" where they fit, else "warp", for every width up to _ATT_MAX_KERNEL_ROWS.
 _ATT_ROW_INVARIANT = False
 
 
