@@ -22,6 +22,7 @@ s     sampling (issue 17): speculative sampling vs target-only sampling at the s
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import statistics
 import sys
@@ -468,44 +469,76 @@ def section_s(eng: Engine, n: int) -> None:
     say()
 
 
-def section_auto(eng: Engine, n: int, reps: int = 3) -> None:
-    """draft_depth="auto" against every static depth 1..8 (chain on), per workload, side by side: the median of
-    `reps` runs per cell, and auto against the best static depth by their ranges (app/bench.py's rule: a
-    difference inside the spread is no clear difference)."""
+def interleaved(eng: Engine, cells: dict, prompt, n: int, reps: int, warm_n: int) -> dict[str, list[dict]]:
+    """Run stats of `reps` timed runs per cell (label -> settings), each cell on its own session, warmed once
+    (its plans captured; auto's controller makes its sweep over the depths there), then `reps` passes over all
+    cells, each pass in another order (rotated, every other one reversed), so that drift (clocks, another load
+    on the machine) falls on every cell alike instead of on whichever ran last; a garbage collection before
+    each timed run keeps a collector pause out of the timings."""
+    sessions = {}
+    for label, st in cells.items():
+        sessions[label] = eng.new_session()
+        eng.generate(prompt, warm_n, st, sessions[label])
+    labels = list(cells)
+    out: dict[str, list[dict]] = {label: [] for label in labels}
+    for r in range(reps):
+        k = r % len(labels)
+        order = labels[k:] + labels[:k]
+        for label in reversed(order) if r % 2 else order:
+            sessions[label].reset()
+            gc.collect()
+            out[label].append(eng.generate(prompt, n, cells[label], sessions[label]).stats)
+    return out
+
+
+def auto_verdict(values: dict, row: dict, depths: list) -> tuple[int, str]:
+    """The best static depth by median and auto against it: the ratio of medians and the ranges' verdict."""
     from app.bench import compare_ranges
 
-    say(f"== (auto) adaptive depth vs every static depth 1..8, per workload (bf16, chain on), median of {reps} ==")
+    best_d = max((d for d in depths if d != "auto"), key=lambda d: row[d])
+    lo, hi = min(values[best_d]), max(values[best_d])
+    return best_d, (
+        f"auto {min(values['auto']):.0f}..{max(values['auto']):.0f} vs depth {best_d} {lo:.0f}..{hi:.0f}: "
+        f"{row['auto'] / row[best_d]:.3f}, auto {compare_ranges(values[best_d], values['auto'])}"
+    )
+
+
+def rounds_by_depth(runs: list[dict]) -> str:
+    spent: dict[int, int] = {}
+    for r in runs:
+        for depth, c in r["round_cost_by_depth"].items():
+            spent[depth] = spent.get(depth, 0) + c["rounds"]
+    return " ".join(f"{k}:{v}" for k, v in sorted(spent.items()))
+
+
+def section_auto(eng: Engine, n: int, reps: int = 5) -> None:
+    """draft_depth="auto" against every static depth 1..8 (chain on), per workload, side by side: every cell on
+    its own session, the cells interleaved over `reps` passes (see `interleaved`), the median of each cell, and
+    auto against the best static depth by their ranges (app/bench.py's rule: a difference inside the spread is
+    no clear difference)."""
+    say(
+        f"== (auto) adaptive depth vs every static depth 1..8, per workload (bf16, chain on), {n} tokens, "
+        f"median of {reps} interleaved passes =="
+    )
     prompts = {name: w.prompt_for(eng.tokenizer) for name, w in load_workloads().items()}
     depths: list[int | str] = [*range(1, 9), "auto"]
     say(f"{'workload':<10} " + " ".join(f"{str(d):>7}" for d in depths) + "   auto vs best static / vs depth 3")
     means = {d: [] for d in depths}
     notes = []
     for name, prompt in prompts.items():
-        row, values = {}, {}
+        cells = {d: EngineSettings(draft_depth=d, max_draft_depth=8, chain=True, plan_pool=16) for d in depths}
+        runs = interleaved(eng, cells, prompt, n, reps, warm_n=n)
+        values = {d: [r["tokens_per_second"] for r in runs[d]] for d in depths}
+        row = {d: statistics.median(values[d]) for d in depths}
         for d in depths:
-            settings = EngineSettings(draft_depth=d, max_draft_depth=8, chain=True, plan_pool=16)
-            runs = run_prompts(eng, settings, n, [prompt] * reps, warm_n=n)
-            values[d] = [r["tokens_per_second"] for r in runs]
-            row[d] = statistics.median(values[d])
             means[d].append(row[d])
-            if d == "auto":  # where auto's timed rounds went, over its runs
-                spent: dict[int, int] = {}
-                for r in runs:
-                    for depth, c in r["round_cost_by_depth"].items():
-                        spent[depth] = spent.get(depth, 0) + c["rounds"]
-        best_d = max((d for d in depths if d != "auto"), key=lambda d: row[d])
-        best = row[best_d]
+        best_d, verdict = auto_verdict(values, row, depths)
         say(
             f"{name:<10} "
             + " ".join(f"{row[d]:7.0f}" for d in depths)
-            + f"   {row['auto'] / best:5.3f} / {row['auto'] / row[3]:5.3f}"
+            + f"   {row['auto'] / row[best_d]:5.3f} / {row['auto'] / row[3]:5.3f}"
         )
-        lo, hi = min(values[best_d]), max(values[best_d])
-        notes.append(
-            f"{name:<10} auto {min(values['auto']):.0f}..{max(values['auto']):.0f} vs depth {best_d} {lo:.0f}..{hi:.0f}: "
-            f"auto {compare_ranges(values[best_d], values['auto'])}; auto's rounds by depth: "
-            + " ".join(f"{k}:{v}" for k, v in sorted(spent.items()))
-        )
+        notes.append(f"{name:<10} {verdict}; auto's rounds by depth: {rounds_by_depth(runs['auto'])}")
     mean = {d: statistics.fmean(v) for d, v in means.items()}
     best_static = max(mean[d] for d in depths if d != "auto")
     say(
@@ -539,42 +572,46 @@ def section_real(n: int) -> None:
     def syn(**kw) -> EngineSettings:
         return EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, plan_pool=16, **kw)
 
-    target = tps(run(EngineSettings(speculative=False, plan_pool=16)))
-    say(f"target-only: {target:.1f} t/s")
+    # target-only, every static depth and auto side by side: interleaved passes, one session a cell
+    cells = {"target": EngineSettings(speculative=False, plan_pool=16)}
+    cells |= {d: syn(draft_depth=d, chain=True) for d in range(1, 9)}
+    cells["auto"] = syn(draft_depth="auto", max_draft_depth=8, chain=True)
+    side = interleaved(eng, cells, prompt, n, 3, warm_n=n)  # auto's warm-up: its sweep over the depths
+    med = {k: statistics.median(r["tokens_per_second"] for r in v) for k, v in side.items()}
+    target = med["target"]
+    say(f"target-only: {target:.1f} t/s (median of 3 interleaved passes, as every row below)")
     say("round cost model (ms a round, means over rounds that captured nothing):")
     say(f"{'depth':>5} {'t/s':>8} {'vs target':>9} {'acc.len':>7} {'draft':>7} {'verify':>7} {'accept':>7} {'host':>6}")
-    best = (0.0, 0)
     expected = {}  # depth -> t/s from the rates' exact expected acceptance and the measured round cost
     for d in range(1, 9):
-        runs = run(syn(draft_depth=d, chain=True))
-        t, acc = tps(runs), statistics.fmean(r["mean_accepted_length"] for r in runs)
-        c = runs[-1]["round_cost_by_depth"].get(d, {})
+        t, acc = med[d], statistics.fmean(r["mean_accepted_length"] for r in side[d])
+        c = side[d][-1]["round_cost_by_depth"].get(d, {})
         ms = [1e3 * c.get(k, 0.0) for k in ("draft_s", "verify_s", "accept_s", "host_s")]
         say(f"{d:>5} {t:>8.1f} {t / target:>8.2f}x {acc:>7.2f} " + " ".join(f"{x:>7.3f}" for x in ms))
-        best = max(best, (t, d))
         run_p = e_tokens = 1.0
         for p in QWEN3_NEXT_RATES[:d]:
             run_p *= p
             e_tokens += run_p
         if sum(ms) > 0:
             expected[d] = 1e3 * e_tokens / sum(ms)
-    say(f"best depth with chain: {best[1]}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
-    auto = syn(draft_depth="auto", max_draft_depth=8, chain=True)
-    runs = run(auto, warm_n=n)  # the warm-up is the controller's first run: its sweep over the depths
-    depths = runs[-1]["round_cost_by_depth"]
-    most = max(depths, key=lambda k: depths[k]["rounds"])
+    depths: list[int | str] = [*range(1, 9), "auto"]
+    values = {k: [r["tokens_per_second"] for r in side[k]] for k in depths}
+    best_d, verdict = auto_verdict(values, med, depths)
+    best = (med[best_d], best_d)
+    say(f"best depth with chain: {best_d}, {best[0] / target:.2f}x target-only (goal >= 2.2x)")
     say(
-        f"depth auto (max 8): {tps(runs):.1f} t/s, {tps(runs) / target:.2f}x target-only, "
-        f"{tps(runs) / best[0]:.3f} of the best static depth; most rounds at depth {most}"
+        f"depth auto (max 8): {med['auto']:.1f} t/s, {med['auto'] / target:.2f}x target-only; {verdict}; "
+        f"auto's rounds by depth: {rounds_by_depth(side['auto'])}"
     )
     if expected:
         top = max(expected, key=expected.get)
         say(
             "expected t/s per depth (the rates' exact acceptance over the measured round cost): "
             + ", ".join(f"{d}: {v:.0f}" for d, v in expected.items())
-            + f"; best {top}; auto at {tps(runs) / expected[top]:.3f} of it (a {n}-token static run scatters by a"
-            " few %, so the best measured run above overstates its depth)"
+            + f"; best {top}; auto at {med['auto'] / expected[top]:.3f} of it"
         )
+    del side
+    torch.cuda.empty_cache()
     say()
     d = best[1]
     say(f"sub-vocab at depth {d} (chain on): {'N':>7} {'draft ms/step':>13} {'t/s':>8} {'vs full':>8}")
