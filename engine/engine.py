@@ -767,6 +767,9 @@ class Engine:
             in_round_cancel = (lambda: sess.cancelled) if self.cluster is None and leader else (lambda: False)
             index = 0
             while True:
+                # On rank 0 the round's time starts before its settings are read: an adaptive depth's
+                # decision is host work of the round like any other (a worker's next() waits for rank 0).
+                t_next = time.perf_counter()
                 settings, cancelled = rounds.next()
                 if settings is None:  # a worker told the run is over
                     return
@@ -774,7 +777,7 @@ class Engine:
                     stats.stop_reason = "cancelled"
                     yield self._final_event(index, settings, stats)
                     return
-                t_start = time.perf_counter()
+                t_start = t_next if leader else time.perf_counter()
                 with self._run_failures(state), torch.inference_mode():
                     out = run_round(
                         self.model,

@@ -532,6 +532,7 @@ class LeaderRounds:
         self.cluster = cluster
         self.requested = None  # the session's settings of the current round ("auto" stays "auto")
         self.controller = None  # the session's DepthController while the depth is "auto"
+        self._concrete: tuple[Any, dict[int, Any]] = (None, {})  # auto settings -> {depth: concrete settings}
 
     def next(self) -> tuple[Any, bool]:
         settings, cancelled = self.sess.settings, self.sess.cancelled
@@ -543,7 +544,12 @@ class LeaderRounds:
                 ctrl = self.sess.depth_controller = DepthController(settings.max_draft_depth)
             self.controller = ctrl
             depth = ctrl.choose() if settings.speculative else 1
-            settings = settings.replace(draft_depth=depth, plan_pool=settings.auto_plan_pool)
+            if self._concrete[0] is not settings:  # the concrete settings per depth, made once per settings
+                self._concrete = (settings, {})
+            by_depth = self._concrete[1]
+            if depth not in by_depth:
+                by_depth[depth] = settings.replace(draft_depth=depth, plan_pool=settings.auto_plan_pool)
+            settings = by_depth[depth]
         if self.cluster is not None:
             self.cluster.send_round(settings, cancelled)
         return settings, cancelled
