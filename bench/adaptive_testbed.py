@@ -33,15 +33,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--costs", default=",".join(f"{c:g}" for c in H200_COSTS_MS))
     ap.add_argument("--noise", type=float, default=0.04, help="relative spread of a round's time (uniform)")
+    ap.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="phases of a slower machine, as seen on the H200 host (other load, the host's Python): every 30..200 "
+        "rounds every depth's time is multiplied by a new factor drawn from 1..1+drift (the controller sees it; "
+        "t/s is still counted at the undrifted costs, so drift can only mislead it)",
+    )
     a = ap.parse_args()
     costs = [float(c) * 1e-3 for c in a.costs.split(",")]
     rng = random.Random(0)
     observe = adaptive.DepthController.observe
 
+    phase = {"left": 0, "factor": 1.0}
+
     def gpu_clock(self, depth, drafted, accepted, round_s, captured):  # the CPU's round time replaced
-        return observe(
-            self, depth, drafted, accepted, costs[depth - 1] * (1 + a.noise * (rng.random() - 0.5)), captured
-        )
+        if phase["left"] <= 0:
+            phase["left"], phase["factor"] = rng.randint(30, 200), 1.0 + a.drift * rng.random()
+        phase["left"] -= 1
+        t = costs[depth - 1] * phase["factor"] * (1 + a.noise * (rng.random() - 0.5))
+        return observe(self, depth, drafted, accepted, t, captured)
 
     adaptive.DepthController.observe = gpu_clock
 

@@ -504,11 +504,14 @@ def auto_verdict(values: dict, row: dict, depths: list) -> tuple[int, str]:
 
 
 def rounds_by_depth(runs: list[dict]) -> str:
-    spent: dict[int, int] = {}
+    """Timed rounds per depth over `runs`, each with its mean wall time: "8:1689x1.040ms"."""
+    spent: dict[int, list[float]] = {}
     for r in runs:
         for depth, c in r["round_cost_by_depth"].items():
-            spent[depth] = spent.get(depth, 0) + c["rounds"]
-    return " ".join(f"{k}:{v}" for k, v in sorted(spent.items()))
+            row = spent.setdefault(depth, [0, 0.0])
+            row[0] += c["rounds"]
+            row[1] += c["rounds"] * c["round_s"]
+    return " ".join(f"{k}:{n}x{1e3 * t / n:.3f}ms" for k, (n, t) in sorted(spent.items()) if n)
 
 
 def section_auto(eng: Engine, n: int, reps: int = 7) -> None:
@@ -538,7 +541,10 @@ def section_auto(eng: Engine, n: int, reps: int = 7) -> None:
             + " ".join(f"{row[d]:7.0f}" for d in depths)
             + f"   {row['auto'] / row[best_d]:5.3f} / {row['auto'] / row[3]:5.3f}"
         )
-        notes.append(f"{name:<10} {verdict}; auto's rounds by depth: {rounds_by_depth(runs['auto'])}")
+        notes.append(
+            f"{name:<10} {verdict}; rounds by depth: auto {rounds_by_depth(runs['auto'])}, depth {best_d} "
+            f"{rounds_by_depth(runs[best_d])}"
+        )
     mean = {d: statistics.fmean(v) for d, v in means.items()}
     best_static = max(mean[d] for d in depths if d != "auto")
     say(

@@ -75,7 +75,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}  {a.workload}, {a.n} tokens, {a.passes} passes")
     print(
         f"{'pass':>4} {'depth':>5} {'t/s':>7} {'cpu/wall':>8} {'SM MHz min..max':>16} {'round ms':>8} "
-        f"{'main':>4} {'draft':>6} {'verify':>6} {'accept':>6} {'host':>6}"
+        f"{'main':>4} {'draft':>6} {'verify':>6} {'accept':>6} {'host':>6} {'acc.len':>7} {'captures':>8}  by depth"
     )
     tps: dict = {d: [] for d in depths}
     for p in range(a.passes):
@@ -95,6 +95,8 @@ def main() -> int:
                 f"{p:>4} {str(d):>5} {stats['tokens_per_second']:>7.0f} {cpu:>8.2f} "
                 f"{min(clocks):>7}..{max(clocks):<7} {1e3 * c['round_s']:>8.3f} {main_d:>4} "
                 + " ".join(f"{1e3 * c[k]:>6.3f}" for k in ("draft_s", "verify_s", "accept_s", "host_s"))
+                + f" {stats['mean_accepted_length']:>7.2f} {stats['plan_misses']:>8}  "
+                + " ".join(f"{k}:{v['rounds']}x{1e3 * v['round_s']:.3f}" for k, v in cost.items())
             )
     for d in depths:
         v = tps[d]

@@ -8,7 +8,11 @@ Model of a round at depth d:
 - cost: T(d), the wall time of a round at depth d, decayed means of the rounds measured at d (rounds that
   captured a plan are left out, and so are hiccups: a round far slower than the depth is believed to cost);
   a depth not measured yet is extrapolated from the measured ones (linear in d through the two nearest, or
-  +12% a step from one).
+  +12% a step from one). The means are kept relative to the machine's current speed: a host that slows
+  down for a while (other load) slows every depth at once, but only the depth being run sees it, and a
+  neighbour's mean measured before would look cheaper than it is (the controller then moves there and
+  back). So a round's time updates `speed` (how the current depth's rounds compare with its mean, a fast
+  moving average) and is stored divided by it; T(d) = mean(d) x speed.
 The controller picks argmax E(d) / T(d) over 1..max_depth, moving only when the best beats the current
 depth by more than `hysteresis` (so it does not flap), and now and then probes a neighbouring depth so
 that the curve it decides from stays measured on both sides.
@@ -28,6 +32,7 @@ PRIOR_STEP_COST = 0.12  # an unmeasured depth from one measured one: +12% per st
 # a time yet is timed again next round), unless SPIKE_RUN rounds in a row are: then the costs really changed.
 SPIKE = 1.6
 SPIKE_RUN = 3
+SPEED_RATE = 0.1  # how fast the machine-speed factor follows the rounds (an average over ~10 rounds)
 
 
 class DepthController:
@@ -48,6 +53,7 @@ class DepthController:
         self.hits = [0.0] * max_depth
         self.time_sum = [0.0] * (max_depth + 1)  # per depth (index = depth), decayed
         self.time_n = [0.0] * (max_depth + 1)
+        self.speed = 1.0  # the machine's speed now relative to when the means were taken (see the docstring)
         self.rounds = 0
         self.switches = 0
         self._probe_up = True
@@ -88,7 +94,11 @@ class DepthController:
 
     def round_time(self) -> list[float | None]:
         """T(d) for d = 1..max_depth (seconds; None until some depth was measured)."""
-        measured = {d: self.time_sum[d] / self.time_n[d] for d in range(1, self.max_depth + 1) if self.time_n[d] > 0}
+        measured = {
+            d: self.speed * self.time_sum[d] / self.time_n[d]
+            for d in range(1, self.max_depth + 1)
+            if self.time_n[d] > 0
+        }
         if not measured:
             return [None] * self.max_depth
         out = []
@@ -158,17 +168,21 @@ class DepthController:
                 self.hits[i] += 1.0
         if not captured and round_s > 0 and math.isfinite(round_s) and 1 <= depth <= self.max_depth:
             measured = self.time_n[depth] > 0  # its own mean, else the extrapolation (only then all depths' curve)
-            believed = self.time_sum[depth] / self.time_n[depth] if measured else self.round_time()[depth - 1]
+            mean = self.time_sum[depth] / self.time_n[depth] if measured else None
+            believed = self.speed * mean if mean is not None else self.round_time()[depth - 1]
             if believed is not None and round_s > SPIKE * believed and self._spikes < SPIKE_RUN - 1:
                 self._spikes += 1
                 if not measured:
                     self._remeasure = depth
                 return
             self._spikes = 0
+            if mean is not None:
+                self.speed += SPEED_RATE * (round_s / mean - self.speed)
+                self.speed = min(max(self.speed, 0.2), 5.0)
             for d in range(1, self.max_depth + 1):
                 self.time_sum[d] *= self.decay
                 self.time_n[d] *= self.decay
-            self.time_sum[depth] += round_s
+            self.time_sum[depth] += round_s / self.speed
             self.time_n[depth] += 1.0
 
     def snapshot(self) -> dict:
