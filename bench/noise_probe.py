@@ -65,11 +65,23 @@ def main() -> int:
     a = ap.parse_args()
     eng = Engine.load(Path(a.model), device="cuda", dtype="bfloat16")
     prompt = load_workloads()[a.workload].prompt_for(eng.tokenizer)
-    depths = [d if d == "auto" else int(d) for d in a.depths.split(",")]
-    cells = {d: EngineSettings(draft_depth=d, max_draft_depth=8, chain=True, plan_pool=16) for d in depths}
+    # "8@auto": static depth 8 on a session that an auto run warmed first (every depth's plans captured), to tell
+    # what a session holding many plans costs from what the controller costs
+    depths = a.depths.split(",")
+
+    def settings_of(d: str) -> EngineSettings:
+        d = d.split("@")[0]
+        return EngineSettings(
+            draft_depth=d if d == "auto" else int(d), max_draft_depth=8, chain=True, plan_pool=16 if d != "auto" else 18
+        )
+
+    cells = {d: settings_of(d) for d in depths}
     sessions = {}
     for d, st in cells.items():
         sessions[d] = eng.new_session()
+        if d.endswith("@auto"):
+            eng.generate(prompt, a.n, settings_of("auto"), sessions[d])
+            sessions[d].reset()
         eng.generate(prompt, a.n, st, sessions[d])
     sampler = ClockSampler()
     print(f"device: {torch.cuda.get_device_name()}  {a.workload}, {a.n} tokens, {a.passes} passes")

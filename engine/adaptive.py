@@ -69,6 +69,7 @@ class DepthController:
         start = self.depth
         self._sweep = [*range(start + 1, max_depth + 1), *range(start - 1, 0, -1)]
         self.last_choice = self.depth
+        self._prepared = False  # prepare() ran since the last choose()
 
     # ---- what it learned ----------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -122,17 +123,20 @@ class DepthController:
         return [e / t if t else 0.0 for e, t in zip(self.expected_tokens(acceptance), times)]
 
     # ---- deciding -----------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Work the curve out, and move the current depth, ahead of the next choose(): the engine calls this
+        while the GPU runs a round (the host only waits then), so the round boundary keeps only choose()'s
+        few steps. On the bundled model a round is ~1 ms of mostly host work, and the curve's few dozen Python
+        steps, cache-cold after the round's launches, cost 3-4% of it at the boundary. The curve then lags
+        one round (it has not seen the round running), which a decay over ~30 rounds does not notice."""
+        self._decide()
+        self._prepared = True
+
     def choose(self) -> int:
-        """The depth of the next round."""
-        acceptance = self.acceptance()
-        curve = self.curve(acceptance)
-        self._decided = (curve, acceptance)
-        if any(curve):
-            best = max(range(self.max_depth), key=lambda i: curve[i]) + 1
-            here = curve[self.depth - 1]
-            if best != self.depth and (here <= 0 or curve[best - 1] > here * (1 + self.hysteresis)):
-                self.depth = best
-                self.switches += 1
+        """The depth of the next round (worked out here unless prepare() did it since the last choice)."""
+        if not self._prepared:
+            self._decide()
+        self._prepared = False
         choice = self.depth
         if self._remeasure is not None:  # a probe whose round captured its plans: time it now they exist
             choice, self._remeasure = self._remeasure, None
@@ -150,6 +154,18 @@ class DepthController:
                     break
         self.last_choice = choice
         return choice
+
+    def _decide(self) -> None:
+        """Move the current depth to the best of the curve when it beats it by more than the hysteresis."""
+        acceptance = self.acceptance()
+        curve = self.curve(acceptance)
+        self._decided = (curve, acceptance)
+        if any(curve):
+            best = max(range(self.max_depth), key=lambda i: curve[i]) + 1
+            here = curve[self.depth - 1]
+            if best != self.depth and (here <= 0 or curve[best - 1] > here * (1 + self.hysteresis)):
+                self.depth = best
+                self.switches += 1
 
     def observe(self, depth: int, drafted: int, accepted: int, round_s: float, captured: bool) -> None:
         """What the round at `depth` did: `drafted` drafts were valid (p_min may cut some), `accepted` of them

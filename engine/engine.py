@@ -789,6 +789,7 @@ class Engine:
                         in_round_cancel,
                         drafter,
                         sampling,
+                        rounds.while_waiting if leader else None,
                     )
                 if out.cancelled:
                     stats.stop_reason = "cancelled"

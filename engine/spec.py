@@ -384,10 +384,13 @@ def run_round(
     is_cancelled: Callable[[], bool] = lambda: False,
     drafter: Drafter | None = None,
     sampling: SamplingParams | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> RoundOutcome:
     """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification). `sampling`
     None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
-    `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring)."""
+    `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring).
+    `while_waiting()`: host work for later (no device work), run once the round is queued on the device and
+    before the host waits for it, so that it overlaps the device's work instead of following it."""
     check_fits(model, settings)
     check_synthetic(settings, sampling)
     sp = active(sampling)
@@ -504,6 +507,8 @@ def run_round(
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
         out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
         clock.mark()  # recorded before the sync, so every event is complete when the spans are read
+        if while_waiting is not None:
+            while_waiting()
         if model.device.type == "cuda":
             model.sync()
     t_synced = time.perf_counter()

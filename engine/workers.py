@@ -554,6 +554,12 @@ class LeaderRounds:
             self.cluster.send_round(settings, cancelled)
         return settings, cancelled
 
+    def while_waiting(self) -> None:
+        """While the device runs the round: an adaptive depth works out its next decision (DepthController.
+        prepare), so the round boundary is left with only the choice itself."""
+        if self.controller is not None:
+            self.controller.prepare()
+
     def observe(self, settings, out, round_s: float) -> None:
         """After a round: what an adaptive depth learns from it (host data only, no extra device read)."""
         if self.controller is not None and settings.speculative:

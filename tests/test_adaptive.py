@@ -270,3 +270,33 @@ def test_a_depth_moving_between_neighbours_keeps_one_draft_plan_shape_per_depth(
         if key[0] == "draft":
             shapes.setdefault(key[2], set()).add(key[1])  # depth -> catch-up row counts
     assert len(shapes) == 4 and all(rows == {depth + 1} for depth, rows in shapes.items()), shapes
+
+
+def test_the_engine_works_the_decision_out_while_the_device_runs_the_round(tiny_engine, greedy, monkeypatch):
+    """The curve is worked out in prepare(), which the engine calls inside each round once its work is queued
+    (before the host waits), and choose() at the round boundary then takes that decision as it is; a
+    controller driven without prepare() (as in the simulations above) still works it out in choose()."""
+    calls = {"prepare": 0, "decide": 0}
+    prepare, decide = DepthController.prepare, DepthController._decide
+
+    def counted(name, fn):
+        def wrapper(self):
+            calls[name] += 1
+            return fn(self)
+
+        return wrapper
+
+    monkeypatch.setattr(DepthController, "prepare", counted("prepare", prepare))
+    monkeypatch.setattr(DepthController, "_decide", counted("decide", decide))
+    events = list(tiny_engine.stream(PROMPT, 48, EngineSettings(draft_depth="auto"), tiny_engine.new_session()))
+    assert [t for ev in events for t in ev.tokens] == greedy
+    rounds = sum(1 for ev in events if ev.tokens)
+    # one prepare a round; the first round's choice (nothing prepared yet) is the only one worked out in choose()
+    assert calls["prepare"] == rounds and calls["decide"] == rounds + 1, (calls, rounds)
+
+    calls.update(prepare=0, decide=0)
+    ctrl = DepthController(4)
+    for _ in range(5):
+        d = ctrl.choose()
+        ctrl.observe(d, d, d, 0.01, captured=False)
+    assert calls == {"prepare": 0, "decide": 5}
