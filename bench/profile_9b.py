@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import random_9b_engine  # noqa: E402
-from timing import copy_bandwidth, graph_time  # noqa: E402
+from timing import copy_bandwidth, graph_time, kernel_times  # noqa: E402
 
 from engine import EngineSettings  # noqa: E402
 
@@ -160,13 +159,7 @@ def profile_rounds(rounds: int, gemm: str = "cublas") -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         n = sum(1 for _ in stream)
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        row = by_name[e.name]
-        row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        row[1] += 1
+    by_name = kernel_times(prof)
     total = sum(v[0] for v in by_name.values()) / n
     gemm_us = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
     count = sum(v[1] for v in by_name.values()) / n

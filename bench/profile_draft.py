@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import QWEN3_NEXT_RATES, REAL_9B, IdsOnly, random_9b_weights  # noqa: E402
-from timing import copy_bandwidth  # noqa: E402
+from timing import copy_bandwidth, kernel_times  # noqa: E402
 
 from engine import Engine, EngineSettings  # noqa: E402
 
@@ -55,13 +54,7 @@ def profile_one(eng: Engine, depth: int, sub: int, replays: int, bw: float) -> f
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        row = by_name[e.name]
-        row[0] += e.device_time_total
-        row[1] += 1
+    by_name = kernel_times(prof)
     busy = sum(v[0] for v in by_name.values()) / replays
     count = sum(v[1] for v in by_name.values()) / replays
     cfg = eng.model.cfg

@@ -60,3 +60,17 @@ def copy_bandwidth(nbytes: int = 2 * 1024**3) -> float:
     x = y = None  # free the 2 x nbytes before returning
     torch.cuda.empty_cache()
     return 2 * nbytes / t
+
+
+def kernel_times(prof) -> dict[str, list[float]]:
+    """GPU time (us) and launch count per kernel name from a finished torch.profiler run: name -> [us, count]."""
+    from collections import defaultdict
+
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        row = by_name[e.name]
+        row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        row[1] += 1
+    return by_name

@@ -126,8 +126,9 @@ class DepthController:
     def prepare(self) -> None:
         """Work the curve out, and move the current depth, ahead of the next choose(): the engine calls this
         while the GPU runs a round (the host only waits then), so the round boundary keeps only choose()'s
-        few steps. On the bundled model a round is ~1 ms of mostly host work, and the curve's few dozen Python
-        steps, cache-cold after the round's launches, cost 3-4% of it at the boundary. The curve then lags
+        few steps. On the bundled model a round is ~1 ms of mostly host work, and an auto round at the
+        boundary-decided depth cost 3.7% more than a static one (the curve's few dozen Python steps are most
+        of that work; they ran cache-cold after the round's launches: ~40 us a round). The curve then lags
         one round (it has not seen the round running), which a decay over ~30 rounds does not notice."""
         self._decide()
         self._prepared = True
