@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU test suite on one H200, one process per file group (a second two-GPU engine in one process is
 # what tests/test_tensor_parallel.py checks on its own), then the figures the README quotes for one GPU.
-#   run: bash tools/device_check.sh      (carry .device-site: platformdirs + tomli_w; ~6 min)
+#   run: bash tools/device_check.sh      (carry .device-site: platformdirs + tomli_w; ~9 min)
 # Two GPUs (nvidia-h200-x2): python3 -m pytest -q -m gpu tests/test_tensor_parallel.py tests/test_sampling_gpu.py -k two
 #   and bash bench/run_multi_gpu.sh $OUT/multi-gpu.txt
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -10,11 +10,11 @@ export CUPY_CACHE_DIR=$PWD/.device-site/cupy-cache  # compiled kernels kept betw
 mkdir -p "$CUPY_CACHE_DIR"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 for group in "tests/test_kernels_gpu.py tests/test_pdl_gpu.py" "tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py" \
-    "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py"; do
+    "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py tests/test_adaptive.py"; do
     el "$group"
     timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group 2>&1 | tail -1
 done
 el "figures: long context, adaptive depth, real scale"
 timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25
-timeout 90 python3 bench/gpu_bench.py --sections auto --n 512 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10
+timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10
 el done
