@@ -766,6 +766,10 @@ class Engine:
             # the round boundary, where rank 0 tells every rank at once.
             in_round_cancel = (lambda: sess.cancelled) if self.cluster is None and leader else (lambda: False)
             index = 0
+            # The engine's own work after a round's end (its event and run stats) is counted into the next
+            # round's time, so that tokens/s is the engine's whole decode time, not only the rounds'; the
+            # consumer's time between two events is not the engine's and stays out.
+            carry = 0.0
             while True:
                 # On rank 0 the round's time starts before its settings are read: an adaptive depth's
                 # decision is host work of the round like any other (a worker's next() waits for rank 0).
@@ -797,7 +801,7 @@ class Engine:
                     return
                 t_host = time.perf_counter()
                 if leader:
-                    rounds.observe(settings, out, t_host - t_start)
+                    rounds.observe(settings, out, t_host - t_start + carry)
                 generated.extend(out.tokens)
                 text = stream_text.add(out.tokens)
                 done = out.hit_eos or len(generated) >= max_new_tokens
@@ -814,8 +818,9 @@ class Engine:
                     time_verify_s=out.time_verify_s,
                     time_accept_s=out.time_accept_s,
                     time_host_s=(t_end - t_host)
+                    + carry
                     + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
-                    time_round_s=t_end - t_start,
+                    time_round_s=t_end - t_start + carry,
                     plan_hits=out.plan_hits,
                     plan_misses=out.plan_misses,
                     plan_capture_s=out.plan_capture_s,
@@ -833,6 +838,7 @@ class Engine:
                 elif self.report is not None:
                     self.report()
                 index += 1
+                carry = time.perf_counter() - t_end
                 yield ev
                 if done:
                     return

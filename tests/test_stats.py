@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine import EngineSettings
 
 
@@ -22,3 +24,29 @@ def test_round_cost_by_depth_has_one_entry_per_depth_run_with_its_phase_means(ti
         assert 0 < phases <= c["round_s"] * 1.01  # the phases are parts of the round
     target = tiny_engine.generate(ids, 8, EngineSettings(speculative=False)).stats["round_cost_by_depth"]
     assert set(target) == {0}  # no drafting: depth 0
+
+
+def test_tokens_per_second_counts_the_engines_own_work_between_rounds_but_not_the_consumers(tiny_engine, monkeypatch):
+    """tokens/s is the engine's whole decode time: the work after a round's end (its event, the run's stats)
+    is counted into the next round, while the time the caller spends between two events is not the
+    engine's. Here both are made 0.2 s long: the engine's shows in every round after the first, the
+    consumer's in none."""
+    import time
+
+    run_stats = type(tiny_engine)._run_stats
+
+    def slow_run_stats(self, stats):
+        time.sleep(0.2)
+        return run_stats(self, stats)
+
+    monkeypatch.setattr(type(tiny_engine), "_run_stats", slow_run_stats)
+    events = []
+    for ev in tiny_engine.stream(list(range(3, 20)), 4, EngineSettings(speculative=False), tiny_engine.new_session()):
+        events.append(ev)
+        time.sleep(0.2)  # the consumer's own work
+    rounds = [ev for ev in events if ev.tokens]
+    assert len(rounds) == 4
+    assert rounds[0].time_round_s < 0.15  # nothing before it; the consumer's sleeps are never counted
+    assert all(0.2 <= ev.time_round_s < 0.35 for ev in rounds[1:]), [ev.time_round_s for ev in rounds]
+    stats = rounds[-1].run
+    assert stats["tokens_per_second"] == pytest.approx(4 / sum(ev.time_round_s for ev in rounds))
