@@ -95,16 +95,20 @@ def test_auto_depth_keeps_the_plans_of_every_depth_it_moves_between(cuda_engines
     assert out.stats["plan_misses"] == 0, out.stats["round_cost_by_depth"]
 
 
-@pytest.mark.parametrize("rates", [(), (0.873, 0.778, 0.675)], ids=["real", "synthetic"])
-def test_one_host_sync_per_round(cuda_engines, rates):
+@pytest.mark.parametrize(
+    "rates,depth", [((), 4), ((0.873, 0.778, 0.675), 4), ((), "auto")], ids=["real", "synthetic", "auto"]
+)
+def test_one_host_sync_per_round(cuda_engines, rates, depth):
     """Rounds run under sync debug mode "error": any hidden host synchronisation raises, except the one
     read of the emitted tokens (engine.spec.allowed_sync). Synthetic acceptance too (its rates are staged
-    by scalar fills, its draws made on the device)."""
+    by scalar fills, its draws made on the device), and an adaptive depth (its decision is worked out
+    inside the round, while the host waits for that one read)."""
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
     prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
-    settings = EngineSettings(draft_depth=4, chain=True, plan_pool=16, synthetic_rates=rates)
+    settings = EngineSettings(draft_depth=depth, chain=True, plan_pool=16, synthetic_rates=rates)
     sess = eng.new_session()
-    eng.generate(prompt, 48, settings, sess)  # capture every plan the run below needs
+    # capture every plan the run below needs (auto: long enough for its sweep over every depth)
+    eng.generate(prompt, 48 if depth != "auto" else 200, settings, sess)
     sess.reset()
     rounds = 0
     stream = eng.stream(prompt, 48, settings, sess)
