@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv,pdl] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv,pdl,overlap] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -17,6 +17,8 @@ pdl   issue 20: programmatic dependent launch off vs on, plans captured each way
 s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
+overlap  the next round queued before the previous event is handed over (Engine.overlap_rounds), off vs on:
+      bundled target-only / depth 5 chain / auto, 9B-like target-only; whether the tokens are the same
 """
 
 from __future__ import annotations
@@ -557,6 +559,52 @@ def section_auto(eng: Engine, n: int, reps: int = 7) -> None:
     say()
 
 
+def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
+    """Overlapped rounds (Engine.overlap_rounds): off vs on, interleaved passes on one session a cell, the
+    bundled model (target-only, depth 5 chain, auto) and the 9B-like model (target-only); and whether the
+    tokens are the same."""
+    say(f"== (overlap) the next round queued before the event is handed over: off vs on, median of {reps} ==")
+
+    def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
+        before = eng.overlap_rounds
+        sess = {on: eng.new_session() for on in (False, True)}
+        out = {on: [] for on in (False, True)}
+        texts = {}
+        for on in (False, True):
+            eng.overlap_rounds = on
+            texts[on] = eng.generate(prompt, tokens, settings, sess[on]).tokens  # warm: plans captured
+        for r in range(reps):
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                eng.overlap_rounds = on
+                sess[on].reset()
+                gc.collect()
+                out[on].append(eng.generate(prompt, tokens, settings, sess[on]).stats["tokens_per_second"])
+        eng.overlap_rounds = before
+        off, on = statistics.median(out[False]), statistics.median(out[True])
+        from app.bench import compare_ranges
+
+        say(
+            f"{label:<34} off {off:8.1f}  on {on:8.1f} t/s  {on / off:5.3f}x ({compare_ranges(out[False], out[True])})"
+            f"; same tokens: {texts[False] == texts[True]}"
+        )
+
+    eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
+    prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
+    for label, st in (
+        ("bundled target-only", EngineSettings(speculative=False, plan_pool=8)),
+        ("bundled depth 5 chain", EngineSettings(draft_depth=5, chain=True, plan_pool=16)),
+        ("bundled auto", EngineSettings(draft_depth="auto", max_draft_depth=8, chain=True, plan_pool=16)),
+    ):
+        measure(eng, label, st, prompt, n)
+    eng.close()
+    del eng
+    torch.cuda.empty_cache()
+    eng = random_9b_engine()
+    measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), list(range(100, 164)), 128)
+    eng.close()
+    say()
+
+
 def section_real(n: int) -> None:
     """Speculation at real scale: the 9B-real model (248k vocabulary, one MTP layer, random bf16) with synthetic
     acceptance at Qwen3-Next's MTP rates: the real draft and verify work, the accepted count drawn from the rates."""
@@ -842,6 +890,8 @@ def main() -> int:
             eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
             section_auto(eng, a.n)
             del eng
+        if "overlap" in sections:
+            section_overlap(model_dir, a.n)
     finally:
         save(a.out)
     return 0

@@ -26,7 +26,7 @@ from .model import Model
 from .plans import PlanPool
 from .sampling import SamplingParams, active
 from .settings import MAX_DRAFT_DEPTH, EngineSettings
-from .spec import check_fits, check_synthetic, prefill, run_round
+from .spec import RoundOutcome, abandon_round, check_fits, check_synthetic, finish_round, launch_round, prefill
 from .state import Session, session_bytes
 from .stats import RoundEvent, RunStats
 from .subvocab import SubVocabError, SubVocabOrder, check_ids, find_order, fix_hint
@@ -212,6 +212,11 @@ class Engine:
         # Sessions still referenced somewhere: a session dropped by its owner frees its buffers.
         self._live_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         self.report = None  # a worker rank: sends its memory count to rank 0 after each round
+        # Rank 0 queues the next round before it hands the current one's event over (see _run): None = on a
+        # GPU (on the CPU a round's work is done when it is queued, nothing would overlap); True / False force it
+        # (the tests run it on the CPU; `bench/gpu_bench.py --sections overlap` compares the two). Off until
+        # that comparison has run on a GPU.
+        self.overlap_rounds: bool | None = False
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
         self.sub_vocab_order: SubVocabOrder | None = None
@@ -669,7 +674,8 @@ class Engine:
         session: Session | None = None,
         sampling: SamplingParams | None = None,
     ) -> Iterator[RoundEvent]:
-        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary.
+        """Yield one RoundEvent per round. `session.settings` is re-read at every round boundary (with
+        overlapped rounds, see `overlap_rounds`, the boundary after the round already queued).
         `sampling`: None or temperature 0 = greedy; else tokens are drawn (speculative sampling keeps the
         target's distribution; see engine/sampling.py).
 
@@ -766,82 +772,130 @@ class Engine:
             # the round boundary, where rank 0 tells every rank at once.
             in_round_cancel = (lambda: sess.cancelled) if self.cluster is None and leader else (lambda: False)
             index = 0
-            # The engine's own work after a round's end (its event and run stats) is counted into the next
-            # round's time, so that tokens/s is the engine's whole decode time, not only the rounds'; the
-            # consumer's time between two events is not the engine's and stays out.
-            carry = 0.0
-            while True:
-                # On rank 0 the round's time starts before its settings are read: an adaptive depth's
-                # decision is host work of the round like any other (a worker's next() waits for rank 0).
-                t_next = time.perf_counter()
-                settings, cancelled = rounds.next()
-                if settings is None:  # a worker told the run is over
-                    return
-                if cancelled:
-                    stats.stop_reason = "cancelled"
-                    yield self._final_event(index, settings, stats)
-                    return
-                t_start = t_next if leader else time.perf_counter()
-                with self._run_failures(state), torch.inference_mode():
-                    out = run_round(
-                        self.model,
-                        state,
-                        sess.plans,
-                        settings,
-                        max_new_tokens - len(generated),
-                        self.tokenizer.eos_token_ids,
-                        in_round_cancel,
-                        drafter,
-                        sampling,
-                        rounds.while_waiting if leader else None,
-                    )
-                if out.cancelled:
-                    stats.stop_reason = "cancelled"
-                    yield self._final_event(index, settings, stats)
-                    return
-                t_host = time.perf_counter()
-                if leader:
-                    rounds.observe(settings, out, t_host - t_start + carry)
-                generated.extend(out.tokens)
-                text = stream_text.add(out.tokens)
-                done = out.hit_eos or len(generated) >= max_new_tokens
-                t_end = time.perf_counter()
-                ev = RoundEvent(
-                    index=index,
-                    tokens=out.tokens,
-                    text=text,
-                    from_draft=out.from_draft,
-                    drafted=out.drafted,
-                    accepted=out.accepted,
-                    settings=rounds.requested if leader else settings,
-                    time_draft_s=out.time_draft_s,
-                    time_verify_s=out.time_verify_s,
-                    time_accept_s=out.time_accept_s,
-                    time_host_s=(t_end - t_host)
-                    + carry
-                    + max(0.0, (t_host - t_start) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
-                    time_round_s=t_end - t_start + carry,
-                    plan_hits=out.plan_hits,
-                    plan_misses=out.plan_misses,
-                    plan_capture_s=out.plan_capture_s,
-                    depth=settings.draft_depth if settings.speculative else 0,
-                    adaptive=rounds.controller.snapshot() if leader and rounds.controller else None,
-                    remapped=out.remapped,
-                    synthetic=out.synthetic,
+            # Time: the engine's own wall time, every interval counted once. A round's time runs from where the
+            # previous one's ended (so the engine's work after a round's end, its event and run stats, counts
+            # into the next round, as does reading the next round's settings) to the end of its host work; the
+            # caller's time between two events is taken out (`mark` moves past it).
+            # Overlap (rank 0, `self.overlap_rounds`): once a round's results are read and the host state is up
+            # to them, the next round is queued on the device before this round's event is made and handed
+            # to the caller, so the event, the run stats and the caller's own work run while the device works.
+            # The next round's settings are therefore read one event earlier: a change or cancel made while
+            # handling an event takes effect a round later than without overlap (the round already queued is
+            # finished and emitted as usual).
+            overlap = leader and (
+                self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
+            )
+            pending = None  # (launched round, its settings) queued ahead of this round's event
+            stop_with = None  # settings of a cancel found while queueing ahead: the run ends after this event
+            failed: EngineError | None = None  # queueing ahead failed: raised once this round's event is out
+            mark = time.perf_counter()
+
+            def launch(settings):
+                return launch_round(
+                    self.model,
+                    state,
+                    sess.plans,
+                    settings,
+                    max_new_tokens - len(generated),
+                    self.tokenizer.eos_token_ids,
+                    in_round_cancel,
+                    drafter,
+                    sampling,
                 )
-                stats.add(ev)
-                if done:
-                    stats.stop_reason = "eos" if out.hit_eos else "length"
-                    ev.done, ev.stop_reason = True, stats.stop_reason
-                if leader:
-                    ev.run = self._run_stats(stats)
-                elif self.report is not None:
-                    self.report()
-                index += 1
-                carry = time.perf_counter() - t_end
-                yield ev
-                if done:
-                    return
+
+            try:
+                while True:
+                    if pending is None:
+                        settings, cancelled = rounds.next()
+                        if settings is None:  # a worker told the run is over
+                            return
+                        if cancelled:
+                            stats.stop_reason = "cancelled"
+                            yield self._final_event(index, settings, stats)
+                            return
+                        with self._run_failures(state), torch.inference_mode():
+                            launched = launch(settings)
+                    else:
+                        (launched, settings), pending = pending, None
+                    with self._run_failures(state), torch.inference_mode():
+                        out = (
+                            launched
+                            if isinstance(launched, RoundOutcome)
+                            else finish_round(
+                                self.model, state, sess.plans, launched, rounds.while_waiting if leader else None
+                            )
+                        )
+                    if out.cancelled:
+                        stats.stop_reason = "cancelled"
+                        yield self._final_event(index, settings, stats)
+                        return
+                    t_host = time.perf_counter()
+                    if leader:
+                        rounds.observe(settings, out, t_host - mark)
+                    generated.extend(out.tokens)
+                    done = out.hit_eos or len(generated) >= max_new_tokens
+                    requested = rounds.requested if leader else settings
+                    adaptive = rounds.controller.snapshot() if leader and rounds.controller else None
+                    if overlap and not done:
+                        nxt, cancelled = rounds.next()
+                        if cancelled:
+                            stop_with = nxt
+                        else:
+                            try:  # a failure here is the next round's: this round's event goes out first
+                                with self._run_failures(state), torch.inference_mode():
+                                    pending = (launch(nxt), nxt)
+                            except EngineError as exc:
+                                failed = exc
+                    text = stream_text.add(out.tokens)
+                    t_end = time.perf_counter()
+                    ev = RoundEvent(
+                        index=index,
+                        tokens=out.tokens,
+                        text=text,
+                        from_draft=out.from_draft,
+                        drafted=out.drafted,
+                        accepted=out.accepted,
+                        settings=requested,
+                        time_draft_s=out.time_draft_s,
+                        time_verify_s=out.time_verify_s,
+                        time_accept_s=out.time_accept_s,
+                        time_host_s=max(0.0, (t_end - mark) - out.time_draft_s - out.time_verify_s - out.time_accept_s),
+                        time_round_s=t_end - mark,
+                        plan_hits=out.plan_hits,
+                        plan_misses=out.plan_misses,
+                        plan_capture_s=out.plan_capture_s,
+                        depth=settings.draft_depth if settings.speculative else 0,
+                        adaptive=adaptive,
+                        remapped=out.remapped,
+                        synthetic=out.synthetic,
+                    )
+                    stats.add(ev)
+                    if done:
+                        stats.stop_reason = "eos" if out.hit_eos else "length"
+                        ev.done, ev.stop_reason = True, stats.stop_reason
+                    if leader:
+                        ev.run = self._run_stats(stats)
+                    elif self.report is not None:
+                        self.report()
+                    index += 1
+                    t_yield = time.perf_counter()
+                    mark = t_end
+                    yield ev
+                    mark += time.perf_counter() - t_yield  # the caller's time is not the engine's
+                    if done:
+                        return
+                    if stop_with is not None:
+                        stats.stop_reason = "cancelled"
+                        yield self._final_event(index, stop_with, stats)
+                        return
+                    if failed is not None:
+                        raise failed
+            finally:
+                if pending is not None and not isinstance(pending[0], RoundOutcome):
+                    # dropped with a round queued ahead: wait for it, then take the host state back to before
+                    # it (its tokens were never handed over; the planes it wrote are marked unused)
+                    with self._run_failures(state), torch.inference_mode():
+                        abandon_round(self.model, state, sess.plans, pending[0])
         finally:
             if leader:
                 rounds.finish()

@@ -390,7 +390,45 @@ def run_round(
     None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
     `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring).
     `while_waiting()`: host work for later (no device work), run once the round is queued on the device and
-    before the host waits for it, so that it overlaps the device's work instead of following it."""
+    before the host waits for it, so that it overlaps the device's work instead of following it.
+    The same as finish_round(launch_round(...)): a caller with host work of its own to overlap (the
+    engine's event of the previous round) launches, does it, then finishes."""
+    launched = launch_round(model, state, plans, settings, budget, eos_ids, is_cancelled, drafter, sampling)
+    if isinstance(launched, RoundOutcome):  # cancelled before its verify was queued
+        return launched
+    return finish_round(model, state, plans, launched, while_waiting)
+
+
+@dataclass(kw_only=True)
+class LaunchedRound:
+    """A round whose work is queued on the device and whose results are not read yet (launch_round)."""
+
+    settings: EngineSettings
+    budget: int
+    eos_ids: frozenset[int]
+    n: int  # tokens before the round
+    width: int  # verify rows: drafts + 1
+    clock: _Clock
+    counters: tuple[int, int, float]  # the plan pool's (hits, misses, capture s) before the round
+    t0: float
+    t_launched: float
+    remapped: bool
+
+
+def launch_round(
+    model: DecodeModel,
+    state: SessionState,
+    plans: PlanPool,
+    settings: EngineSettings,
+    budget: int,
+    eos_ids: frozenset[int],
+    is_cancelled: Callable[[], bool] = lambda: False,
+    drafter: Drafter | None = None,
+    sampling: SamplingParams | None = None,
+) -> LaunchedRound | RoundOutcome:
+    """Queue a round's device work (draft, verify, the copy of its results to the host) without waiting for
+    it; the host state is left as it was until finish_round. A RoundOutcome instead when cancelled before
+    the verify was queued."""
     check_fits(model, settings)
     check_synthetic(settings, sampling)
     sp = active(sampling)
@@ -504,11 +542,45 @@ def run_round(
     t_launched = time.perf_counter()
     clock.mark()
     out_host = state.out_host[: width + 2]
+    # an asynchronous copy into pinned memory (as the staging copies): queued, not waited for
+    out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
+    clock.mark()  # recorded before the sync, so every event is complete when the spans are read
+    return LaunchedRound(
+        settings=settings,
+        budget=budget,
+        eos_ids=eos_ids,
+        n=n,
+        width=width,
+        clock=clock,
+        counters=(hits0, misses0, cap0),
+        t0=t0,
+        t_launched=t_launched,
+        remapped=remapped,
+    )
+
+
+def finish_round(
+    model: DecodeModel,
+    state: SessionState,
+    plans: PlanPool,
+    launched: LaunchedRound,
+    while_waiting: Callable[[], None] | None = None,
+) -> RoundOutcome:
+    """Wait for a launched round (the round's one device-to-host synchronisation), read what it emitted and
+    bring the host state up to it. `while_waiting()`: see run_round."""
+    settings, budget, eos_ids, n, width = (
+        launched.settings,
+        launched.budget,
+        launched.eos_ids,
+        launched.n,
+        launched.width,
+    )
+    clock, t0, t_launched = launched.clock, launched.t0, launched.t_launched
+    hits0, misses0, cap0 = launched.counters
+    out_host = state.out_host[: width + 2]
+    if while_waiting is not None:
+        while_waiting()
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
-        out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
-        clock.mark()  # recorded before the sync, so every event is complete when the spans are read
-        if while_waiting is not None:
-            while_waiting()
         if model.device.type == "cuda":
             model.sync()
     t_synced = time.perf_counter()
@@ -548,5 +620,16 @@ def run_round(
         host_launch_s=t_launched - t0,
         host_wait_s=t_synced - t_launched,
         host_after_s=t_end - t_synced,
-        remapped=remapped,
+        remapped=launched.remapped,
     )
+
+
+def abandon_round(model: DecodeModel, state: SessionState, plans: PlanPool, launched: LaunchedRound) -> None:
+    """A launched round nobody will read (its run was dropped while it was queued ahead): wait for it, then
+    take the host state back to before it. Its tokens are not committed; the planes it wrote are marked
+    unused, so a later rollback never takes one of them for a position it no longer holds."""
+    finish_round(model, state, plans, launched)
+    n = launched.n
+    del state.tokens[n:]
+    if not state.rollback(n - 1):
+        refill(model, state)

@@ -221,8 +221,12 @@ def test_two_kv_heads_on_three_ranks(tiny_model_dir):
         _close(tp)
 
 
-def test_settings_changed_mid_run_apply_on_every_rank(model_dir, greedy):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_settings_changed_mid_run_apply_on_every_rank(model_dir, greedy, overlap):
+    """Also with rank 0 queueing each round before it hands the previous event over (Engine.overlap_rounds):
+    the workers run the rounds in the order rank 0 sends them either way."""
     tp = Engine.load(model_dir, devices=["cpu", "cpu"])
+    tp.overlap_rounds = overlap
     try:
         sess = tp.new_session(EngineSettings(draft_depth=2))
         changes = [

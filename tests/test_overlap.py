@@ -1,0 +1,107 @@
+"""Overlapped rounds (Engine.overlap_rounds; off by default until measured on a GPU): rank 0 queues round
+k+1 on the device before it makes round k's event and hands it over. The text must be exactly what it is
+without overlap, a cancel or a change of settings made while handling an event applies one round later (the
+round already queued is emitted as usual), and a stream dropped with a round queued leaves the session as if
+that round had never run. Forced on here, on the CPU, where the order of the host's work is the same as on a
+GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineSettings, SamplingParams
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture
+def overlapped(tiny_engine, monkeypatch):
+    monkeypatch.setattr(tiny_engine, "overlap_rounds", True)
+    return tiny_engine
+
+
+def _greedy(eng, prompt, n):
+    eng.overlap_rounds = False
+    try:
+        return eng.generate(prompt, n, EngineSettings(speculative=False), eng.new_session()).tokens
+    finally:
+        eng.overlap_rounds = True
+
+
+@pytest.mark.parametrize(
+    "settings,sampling",
+    [
+        (EngineSettings(speculative=False), None),
+        (EngineSettings(draft_depth=3, chain=True), None),
+        (EngineSettings(draft_depth=4, chain=False, p_min=0.2), None),
+        (EngineSettings(draft_depth="auto", max_draft_depth=4), None),
+        (EngineSettings(draft_depth=3, chain=True), SamplingParams(temperature=0.8, seed=3)),
+    ],
+    ids=["target", "chain", "host-draft", "auto", "sampled"],
+)
+def test_overlapped_rounds_give_the_same_tokens(overlapped, tiny_engine, settings, sampling):
+    tiny_engine.overlap_rounds = False
+    want = tiny_engine.generate(PROMPT, 40, settings, tiny_engine.new_session(), sampling=sampling).tokens
+    tiny_engine.overlap_rounds = True
+    sess = overlapped.new_session()
+    got = overlapped.generate(PROMPT, 40, settings, sess, sampling=sampling)
+    assert got.tokens == want
+    assert len(got.tokens) == 40 and got.stats["generated"] == 40  # no round queued past the budget
+    assert sess.tokens == PROMPT + want
+
+
+def test_a_cancel_while_handling_an_event_stops_after_the_round_already_queued(overlapped):
+    want = _greedy(overlapped, PROMPT, 30)
+    sess = overlapped.new_session()
+    events = []
+    for ev in overlapped.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
+        events.append(ev)
+        if len(events) == 3:
+            sess.cancel()
+    rounds = [ev for ev in events if ev.tokens]
+    assert len(rounds) == 4  # the three seen, then the one queued when the cancel came
+    assert events[-1].stop_reason == "cancelled" and not events[-1].tokens
+    out = [t for ev in rounds for t in ev.tokens]
+    assert out == want[: len(out)]
+    assert sess.tokens == PROMPT + out  # what was handed over is what the session holds
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_a_stream_dropped_with_a_round_queued_leaves_the_session_as_handed_over(overlapped, depth):
+    settings = EngineSettings(speculative=depth > 0, draft_depth=max(depth, 1), chain=True)
+    want = _greedy(overlapped, PROMPT, 40)
+    sess = overlapped.new_session()
+    it = overlapped.stream(PROMPT, 40, settings, sess)
+    seen = []
+    for _ in range(4):
+        seen += next(it).tokens
+    it.close()  # round 5 was queued: it must not reach the session
+    assert sess.tokens == PROMPT + seen
+    # the session continues from what it holds, exactly as plain greedy decoding does
+    more = overlapped.generate(sess.tokens, 40 - len(seen), settings, sess).tokens
+    assert seen + more == want
+
+
+def test_the_overlapped_run_counts_every_token_and_round_once(overlapped):
+    res = overlapped.generate(PROMPT, 25, EngineSettings(draft_depth=2, chain=True), overlapped.new_session())
+    s = res.stats
+    assert s["generated"] == 25 == len(res.tokens)
+    assert s["rounds"] == sum(c["rounds"] for c in s["round_cost_by_depth"].values())
+    assert s["tokens_per_second"] > 0
+
+
+def test_a_round_that_cannot_be_queued_fails_after_the_event_before_it(overlapped):
+    """Settings that do not fit the model (a sub-vocab larger than its vocabulary) set while handling an
+    event: the round already queued is handed over, then the run stops with the one clear error, and the
+    session holds exactly what was handed over."""
+    from engine import EngineError
+
+    sess = overlapped.new_session()
+    seen = []
+    with pytest.raises(EngineError, match="sub_vocab"):
+        for ev in overlapped.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
+            seen.append(ev)
+            if len(seen) == 2:
+                sess.settings = EngineSettings(draft_depth=2, sub_vocab=10**6)
+    assert len(seen) == 3  # the round queued before the change came out first
+    assert sess.tokens == PROMPT + [t for ev in seen for t in ev.tokens]
