@@ -96,16 +96,21 @@ def test_auto_depth_keeps_the_plans_of_every_depth_it_moves_between(cuda_engines
 
 
 @pytest.mark.parametrize(
-    "rates,depth", [((), 4), ((0.873, 0.778, 0.675), 4), ((), "auto")], ids=["real", "synthetic", "auto"]
+    "rates,depth,overlap",
+    [((), 4, False), ((0.873, 0.778, 0.675), 4, False), ((), "auto", False), ((), 4, True), ((), 0, True)],
+    ids=["real", "synthetic", "auto", "overlapped", "overlapped-target"],
 )
-def test_one_host_sync_per_round(cuda_engines, rates, depth):
+def test_one_host_sync_per_round(cuda_engines, rates, depth, overlap, monkeypatch):
     """Rounds run under sync debug mode "error": any hidden host synchronisation raises, except the one
     read of the emitted tokens (engine.spec.allowed_sync). Synthetic acceptance too (its rates are staged
     by scalar fills, its draws made on the device), and an adaptive depth (its decision is worked out
     inside the round, while the host waits for that one read)."""
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
+    monkeypatch.setattr(eng, "overlap_rounds", overlap)  # overlapped: the next round queued before each event
     prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
-    settings = EngineSettings(draft_depth=depth, chain=True, plan_pool=16, synthetic_rates=rates)
+    settings = EngineSettings(
+        speculative=depth != 0, draft_depth=depth or 1, chain=True, plan_pool=16, synthetic_rates=rates
+    )
     sess = eng.new_session()
     # capture every plan the run below needs (auto: long enough for its sweep over every depth)
     eng.generate(prompt, 48 if depth != "auto" else 200, settings, sess)
@@ -223,3 +228,23 @@ def test_a_sub_vocab_order_in_graphs_with_one_sync(cuda_engines):
             assert tokens == first.tokens  # replayed plans: the same text (the same draws when sampled)
     finally:
         eng.set_sub_vocab_order(None)
+
+
+def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
+    """Engine.overlap_rounds on a GPU (fp32): target-only, depth 5 chain and auto give the same tokens with the
+    next round queued ahead as without, on every workload."""
+    eng = cuda_engines.get("bundled", cuda_engines["tiny"])
+    try:
+        for name, w in load_workloads().items():
+            prompt = w.prompt_for(eng.tokenizer)
+            for settings in (
+                EngineSettings(speculative=False, plan_pool=8),
+                EngineSettings(draft_depth=5, chain=True, plan_pool=8),
+                EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True),
+            ):
+                eng.overlap_rounds = False
+                want = eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens
+                eng.overlap_rounds = True
+                assert eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens == want, (name, settings)
+    finally:
+        eng.overlap_rounds = False
