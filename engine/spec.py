@@ -374,31 +374,6 @@ def _verify_sampled(
     )
 
 
-def run_round(
-    model: DecodeModel,
-    state: SessionState,
-    plans: PlanPool,
-    settings: EngineSettings,
-    budget: int,
-    eos_ids: frozenset[int],
-    is_cancelled: Callable[[], bool] = lambda: False,
-    drafter: Drafter | None = None,
-    sampling: SamplingParams | None = None,
-    while_waiting: Callable[[], None] | None = None,
-) -> RoundOutcome:
-    """Emit between 1 and min(budget, depth+1) tokens (0 when cancelled before verification). `sampling`
-    None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
-    `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring).
-    `while_waiting()`: host work for later (no device work), run once the round is queued on the device and
-    before the host waits for it, so that it overlaps the device's work instead of following it.
-    The same as finish_round(launch_round(...)): a caller with host work of its own to overlap (the
-    engine's event of the previous round) launches, does it, then finishes."""
-    launched = launch_round(model, state, plans, settings, budget, eos_ids, is_cancelled, drafter, sampling)
-    if isinstance(launched, RoundOutcome):  # cancelled before its verify was queued
-        return launched
-    return finish_round(model, state, plans, launched, while_waiting)
-
-
 @dataclass(kw_only=True)
 class LaunchedRound:
     """A round whose work is queued on the device and whose results are not read yet (launch_round)."""
@@ -427,8 +402,12 @@ def launch_round(
     sampling: SamplingParams | None = None,
 ) -> LaunchedRound | RoundOutcome:
     """Queue a round's device work (draft, verify, the copy of its results to the host) without waiting for
-    it; the host state is left as it was until finish_round. A RoundOutcome instead when cancelled before
-    the verify was queued."""
+    it; the host state is left as it was until finish_round, which emits between 1 and min(budget, depth+1)
+    tokens. A RoundOutcome with no tokens instead when cancelled before the verify was queued. `sampling`
+    None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
+    `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring).
+    A round is launch_round then finish_round; between the two the caller may do host work of its own
+    (the engine: the previous round's event), which then overlaps the device's work."""
     check_fits(model, settings)
     check_synthetic(settings, sampling)
     sp = active(sampling)
@@ -567,7 +546,8 @@ def finish_round(
     while_waiting: Callable[[], None] | None = None,
 ) -> RoundOutcome:
     """Wait for a launched round (the round's one device-to-host synchronisation), read what it emitted and
-    bring the host state up to it. `while_waiting()`: see run_round."""
+    bring the host state up to it. `while_waiting()`: host work for later (no device work), run just before
+    the host waits, so that it overlaps the device's work instead of following it."""
     settings, budget, eos_ids, n, width = (
         launched.settings,
         launched.budget,
