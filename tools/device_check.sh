@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU test suite on one H200, one process per file group (a second two-GPU engine in one process is
 # what tests/test_tensor_parallel.py checks on its own), then the figures the README quotes for one GPU.
-#   run: bash tools/device_check.sh      (carry .device-site: platformdirs + tomli_w; ~9 min)
+#   run: bash tools/device_check.sh [PART ...]    (carry .device-site: platformdirs + tomli_w)
+# PARTs, in the order given (default: tests ctx auto, ~9 min; a call has 10 min, so split longer lists):
+#   tests    every GPU test (~2.5 min)          ctx      long context (~3.5 min)
+#   auto     adaptive depth, 2048 tokens (~2.5 min)    overlap  overlapped rounds off vs on (~1.5 min)
+#   real     9B-real, 512 tokens (~2.5 min)
 # Two GPUs (nvidia-h200-x2): python3 -m pytest -q -m gpu tests/test_tensor_parallel.py tests/test_sampling_gpu.py -k two
 #   and bash bench/run_multi_gpu.sh $OUT/multi-gpu.txt
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -9,12 +13,22 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUPY_CACHE_DIR=$PWD/.device-site/cupy-cache  # compiled kernels kept between calls when carried back
 mkdir -p "$CUPY_CACHE_DIR"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-for group in "tests/test_kernels_gpu.py tests/test_pdl_gpu.py" "tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py" \
-    "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py tests/test_adaptive.py"; do
-    el "$group"
-    timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group 2>&1 | tail -1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests ctx auto)
+for part in "${parts[@]}"; do
+    el "$part"
+    case "$part" in
+    tests)
+        for group in "tests/test_kernels_gpu.py tests/test_pdl_gpu.py" "tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py" \
+            "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py tests/test_adaptive.py"; do
+            el "$group"
+            timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group 2>&1 | tail -1
+        done ;;
+    ctx) timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25 ;;
+    auto) timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10 ;;
+    overlap) timeout 150 python3 bench/gpu_bench.py --sections overlap --n 1024 --out $OUT/overlap.txt 2>&1 | grep -v -i warn | tail -8 ;;
+    real) timeout 240 python3 bench/gpu_bench.py --sections real --n 512 --out $OUT/real.txt 2>&1 | grep -v -i warn | tail -30 ;;
+    *) echo "unknown part '$part': use tests, ctx, auto, overlap or real" ;;
+    esac
 done
-el "figures: long context, adaptive depth, real scale"
-timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25
-timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10
 el done
