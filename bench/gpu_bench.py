@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.bench import BenchArm, run_bench  # noqa: E402
+from app.bench import BenchArm, compare_ranges, run_bench  # noqa: E402
 from app.workloads import load_workloads  # noqa: E402
 from engine import Engine, EngineSettings, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -471,16 +471,31 @@ def section_s(eng: Engine, n: int) -> None:
     say()
 
 
-def interleaved(eng: Engine, cells: dict, prompt, n: int, reps: int, warm_n: int) -> dict[str, list[dict]]:
+def interleaved(
+    eng: Engine,
+    cells: dict,
+    prompt,
+    n: int,
+    reps: int,
+    warm_n: int,
+    before=None,
+    warm_tokens: dict | None = None,
+) -> dict[str, list[dict]]:
     """Run stats of `reps` timed runs per cell (label -> settings), each cell on its own session, warmed once
     (its plans captured; auto's controller makes its sweep over the depths there), then `reps` passes over all
     cells, each pass in another order (rotated, every other one reversed), so that drift (clocks, another load
     on the machine) falls on every cell alike instead of on whichever ran last; a garbage collection before
-    each timed run keeps a collector pause out of the timings."""
+    each timed run keeps a collector pause out of the timings. `before(label)`: called before each of the
+    cell's runs (what settings cannot say, e.g. an engine attribute); `warm_tokens`: filled with each cell's
+    warm-up tokens."""
     sessions = {}
     for label, st in cells.items():
         sessions[label] = eng.new_session()
-        eng.generate(prompt, warm_n, st, sessions[label])
+        if before is not None:
+            before(label)
+        tokens = eng.generate(prompt, warm_n, st, sessions[label]).tokens
+        if warm_tokens is not None:
+            warm_tokens[label] = tokens
     labels = list(cells)
     out: dict[str, list[dict]] = {label: [] for label in labels}
     for r in range(reps):
@@ -488,6 +503,8 @@ def interleaved(eng: Engine, cells: dict, prompt, n: int, reps: int, warm_n: int
         order = labels[k:] + labels[:k]
         for label in reversed(order) if r % 2 else order:
             sessions[label].reset()
+            if before is not None:
+                before(label)
             gc.collect()
             out[label].append(eng.generate(prompt, n, cells[label], sessions[label]).stats)
     return out
@@ -495,8 +512,6 @@ def interleaved(eng: Engine, cells: dict, prompt, n: int, reps: int, warm_n: int
 
 def auto_verdict(values: dict, row: dict, depths: list) -> tuple[int, str]:
     """The best static depth by median and auto against it: the ratio of medians and the ranges' verdict."""
-    from app.bench import compare_ranges
-
     best_d = max((d for d in depths if d != "auto"), key=lambda d: row[d])
     lo, hi = min(values[best_d]), max(values[best_d])
     return best_d, (
@@ -566,23 +581,20 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     say(f"== (overlap) the next round queued before the event is handed over: off vs on, median of {reps} ==")
 
     def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
-        before = eng.overlap_rounds
-        sess = {on: eng.new_session() for on in (False, True)}
-        out = {on: [] for on in (False, True)}
-        texts = {}
-        for on in (False, True):
-            eng.overlap_rounds = on
-            texts[on] = eng.generate(prompt, tokens, settings, sess[on]).tokens  # warm: plans captured
-        for r in range(reps):
-            for on in (False, True) if r % 2 == 0 else (True, False):
-                eng.overlap_rounds = on
-                sess[on].reset()
-                gc.collect()
-                out[on].append(eng.generate(prompt, tokens, settings, sess[on]).stats["tokens_per_second"])
-        eng.overlap_rounds = before
+        was, texts = eng.overlap_rounds, {}
+        runs = interleaved(
+            eng,
+            {False: settings, True: settings},
+            prompt,
+            tokens,
+            reps,
+            tokens,
+            before=lambda on: setattr(eng, "overlap_rounds", on),
+            warm_tokens=texts,
+        )
+        eng.overlap_rounds = was
+        out = {on: [r["tokens_per_second"] for r in v] for on, v in runs.items()}
         off, on = statistics.median(out[False]), statistics.median(out[True])
-        from app.bench import compare_ranges
-
         say(
             f"{label:<34} off {off:8.1f}  on {on:8.1f} t/s  {on / off:5.3f}x ({compare_ranges(out[False], out[True])})"
             f"; same tokens: {texts[False] == texts[True]}"

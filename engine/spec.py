@@ -548,14 +548,7 @@ def finish_round(
     """Wait for a launched round (the round's one device-to-host synchronisation), read what it emitted and
     bring the host state up to it. `while_waiting()`: host work for later (no device work), run just before
     the host waits, so that it overlaps the device's work instead of following it."""
-    settings, budget, eos_ids, n, width = (
-        launched.settings,
-        launched.budget,
-        launched.eos_ids,
-        launched.n,
-        launched.width,
-    )
-    clock, t0, t_launched = launched.clock, launched.t0, launched.t_launched
+    n, width, clock = launched.n, launched.width, launched.clock
     hits0, misses0, cap0 = launched.counters
     out_host = state.out_host[: width + 2]
     if while_waiting is not None:
@@ -572,10 +565,10 @@ def finish_round(
     from_draft = [True] * (e - 1) + [False]
     hit_eos = False
     for i, tok in enumerate(emitted):
-        if tok in eos_ids:
+        if tok in launched.eos_ids:
             emitted, from_draft, hit_eos = emitted[: i + 1], from_draft[: i + 1], True
             break
-    emitted, from_draft = emitted[:budget], from_draft[:budget]
+    emitted, from_draft = emitted[: launched.budget], from_draft[: launched.budget]
     e = len(emitted)
     state.tokens.extend(emitted)
     state.record_batch(n - 1, width, every_plane=True)
@@ -593,12 +586,12 @@ def finish_round(
         time_verify_s=verify_s,
         time_accept_s=read_s + (t_end - t_read),
         hit_eos=hit_eos,
-        synthetic=settings.synthetic,
+        synthetic=launched.settings.synthetic,
         plan_hits=hits1 - hits0,
         plan_misses=misses1 - misses0,
         plan_capture_s=cap1 - cap0,
-        host_launch_s=t_launched - t0,
-        host_wait_s=t_synced - t_launched,
+        host_launch_s=launched.t_launched - launched.t0,
+        host_wait_s=t_synced - launched.t_launched,
         host_after_s=t_end - t_synced,
         remapped=launched.remapped,
     )
