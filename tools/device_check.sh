@@ -22,7 +22,9 @@ for part in "${parts[@]}"; do
         for group in "tests/test_kernels_gpu.py tests/test_pdl_gpu.py" "tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py" \
             "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py tests/test_adaptive.py"; do
             el "$group"
-            timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group 2>&1 | tail -1
+            log=$OUT/tests-$(echo $group | md5sum | cut -c1-6).txt
+            timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group > $log 2>&1
+            grep -E '^(FAILED|ERROR)' $log | head -20; tail -1 $log
         done ;;
     ctx) timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25 ;;
     auto) timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10 ;;
