@@ -214,9 +214,9 @@ class Engine:
         self.report = None  # a worker rank: sends its memory count to rank 0 after each round
         # Rank 0 queues the next round before it hands the current one's event over (see _run): None = on a
         # GPU (on the CPU a round's work is done when it is queued, nothing would overlap); True / False force it
-        # (the tests run it on the CPU; `bench/gpu_bench.py --sections overlap` compares the two). Off until
-        # that comparison has run on a GPU.
-        self.overlap_rounds: bool | None = False
+        # (the tests run it on the CPU; `bench/gpu_bench.py --sections overlap` compares the two: on the H200
+        # 1.11x target-only and 1.16x auto on the bundled model, bench/results/h200-overlap-2026-12-01.txt).
+        self.overlap_rounds: bool | None = None
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
         self.sub_vocab_order: SubVocabOrder | None = None

@@ -234,6 +234,7 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
     """Engine.overlap_rounds on a GPU (fp32): target-only, depth 5 chain and auto give the same tokens with the
     next round queued ahead as without, on every workload."""
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
+    was = eng.overlap_rounds
     try:
         for name, w in load_workloads().items():
             prompt = w.prompt_for(eng.tokenizer)
@@ -247,4 +248,4 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
                 eng.overlap_rounds = True
                 assert eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens == want, (name, settings)
     finally:
-        eng.overlap_rounds = False
+        eng.overlap_rounds = was

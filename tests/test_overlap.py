@@ -1,4 +1,4 @@
-"""Overlapped rounds (Engine.overlap_rounds; off by default until measured on a GPU): rank 0 queues round
+"""Overlapped rounds (Engine.overlap_rounds; on by default on a GPU, off on the CPU): rank 0 queues round
 k+1 on the device before it makes round k's event and hands it over. The text must be exactly what it is
 without overlap, a cancel or a change of settings made while handling an event applies one round later (the
 round already queued is emitted as usual), and a stream dropped with a round queued leaves the session as if
@@ -105,3 +105,17 @@ def test_a_round_that_cannot_be_queued_fails_after_the_event_before_it(overlappe
                 sess.settings = EngineSettings(draft_depth=2, sub_vocab=10**6)
     assert len(seen) == 3  # the round queued before the change came out first
     assert sess.tokens == PROMPT + [t for ev in seen for t in ev.tokens]
+
+
+def test_by_default_overlap_is_on_for_a_gpu_only(tiny_engine):
+    """The default (None) overlaps on a GPU; on the CPU, where a round's work is done when it is queued, a cancel
+    made while handling an event stops the run right there, with no round queued ahead."""
+    assert tiny_engine.overlap_rounds is None and tiny_engine.model.device.type == "cpu"
+    sess = tiny_engine.new_session()
+    events = []
+    for ev in tiny_engine.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
+        events.append(ev)
+        if len(events) == 3:
+            sess.cancel()
+    assert len([ev for ev in events if ev.tokens]) == 3
+    assert events[-1].stop_reason == "cancelled"

@@ -5,7 +5,8 @@
 # PARTs, in the order given (default: tests ctx auto, ~9 min; a call has 10 min, so split longer lists):
 #   tests    every GPU test (~2.5 min)          ctx      long context (~3.5 min)
 #   auto     adaptive depth, 2048 tokens (~2.5 min)    overlap  overlapped rounds off vs on (~1.5 min)
-#   real     9B-real, 512 tokens (~2.5 min)
+#   real     9B-real, 512 tokens (~2.5 min)      table    the README's bundled table, sections a,b,c
+#   engine   the engine's GPU tests only (~1.3 min)
 # Two GPUs (nvidia-h200-x2): python3 -m pytest -q -m gpu tests/test_tensor_parallel.py tests/test_sampling_gpu.py -k two
 #   and bash bench/run_multi_gpu.sh $OUT/multi-gpu.txt
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -29,8 +30,12 @@ for part in "${parts[@]}"; do
     ctx) timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25 ;;
     auto) timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10 ;;
     overlap) timeout 150 python3 bench/gpu_bench.py --sections overlap --n 1024 --out $OUT/overlap.txt 2>&1 | grep -v -i warn | tail -8 ;;
+    table) timeout 240 python3 bench/gpu_bench.py --sections a,b,c --out $OUT/table.txt 2>&1 | grep -v -i warn | tail -40 ;;
+    engine) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 tests/test_gpu_engine.py \
+        tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_adaptive.py tests/test_hostile_model.py > $OUT/engine-tests.txt 2>&1
+        grep -E '^(FAILED|ERROR)' $OUT/engine-tests.txt | head -20; tail -1 $OUT/engine-tests.txt ;;
     real) timeout 240 python3 bench/gpu_bench.py --sections real --n 512 --out $OUT/real.txt 2>&1 | grep -v -i warn | tail -30 ;;
-    *) echo "unknown part '$part': use tests, ctx, auto, overlap or real" ;;
+    *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table or real" ;;
     esac
 done
 el done
