@@ -56,8 +56,11 @@ class DecodeModel(Protocol):
         """The MTP head's rows start .. start+T-1 (token r+1 with the target's hidden of position r)."""
         ...
 
-    def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy (token, probability) per row over the first n vocabulary ids (0 = all), on the device."""
+    def pick(
+        self, hidden: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy (token, probability) per row over the first n vocabulary ids (0 = all), on the device;
+        written into `out` (token, probability tensors) when given."""
         ...
 
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
@@ -69,8 +72,11 @@ class DecodeModel(Protocol):
         order holds them; None when the draft scores ids 0..n-1 (or all, n = 0)."""
         ...
 
-    def draft_pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy (token id, probability) per row over the draft's n-id sub-vocabulary (0 = all), on the device."""
+    def draft_pick(
+        self, hidden: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy (token id, probability) per row over the draft's n-id sub-vocabulary (0 = all), on the device;
+        written into `out` when given."""
         ...
 
     def draft_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:

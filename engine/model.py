@@ -281,15 +281,18 @@ class Model:
             h, residual = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], residual, next_norm, eps)
         return h
 
-    def pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device.
-        Vocab-parallel: each rank sends (max, index, sum of exp) per row, never its logits."""
+    def pick(
+        self, hidden: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device, written
+        into `out` (token, prob) when given. Vocab-parallel: each rank sends (max, index, sum of exp) per row,
+        never its logits."""
         if self.head is not None or self.combine == "gather":
-            return ops.argmax_prob(self.lm_head(hidden, n), n)
+            return ops.argmax_prob(self.lm_head(hidden, n), n, out)
         limit = n if n > 0 else self.cfg.vocab_size
         hi = min(self.vocab_hi, limit)
         local = self._head_product(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
-        return self._distributed_argmax(hidden.shape[0], local, self.vocab_lo)
+        return _into(out, *self._distributed_argmax(hidden.shape[0], local, self.vocab_lo))
 
     def _distributed_argmax(
         self, t: int, local: torch.Tensor | None, ids: int | torch.Tensor
@@ -320,19 +323,22 @@ class Model:
             return None
         return self.remap_ids[:n]
 
-    def draft_pick(self, hidden: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_pick(
+        self, hidden: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy (token, prob) per row over the draft's n-id sub-vocabulary (0 = all): the first n ids of
         the sub-vocabulary order when there is one that holds them, else ids 0..n-1 (`pick`). The pick is
-        mapped back to its token id on the device; prob is over the n scored ids."""
+        mapped back to its token id on the device; prob is over the n scored ids. Written into `out` (token,
+        prob) when given (the chained draft's step slots: no copy after the pick where the kernel writes them)."""
         ids = self.draft_ids(n)
         if ids is None:
-            return self.pick(hidden, n)
+            return self.pick(hidden, n, out)
         if self.head is not None or self.combine == "gather":
             tok, prob = ops.argmax_prob(self.draft_logits(hidden, n), 0)
-            return ids.index_select(0, tok), prob
+            return _into(out, ids.index_select(0, tok), prob)
         c = bisect.bisect_left(self._remap_pos, n)  # this rank's rows among the first n of the order
         local = self._head_product(hidden, self.remap_local_head[:c]) if c else None
-        return self._distributed_argmax(hidden.shape[0], local, self.remap_local_ids[:c])
+        return _into(out, *self._distributed_argmax(hidden.shape[0], local, self.remap_local_ids[:c]))
 
     def draft_logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """Logits [T, n] over the draft's n-id sub-vocabulary (0 = all), column j being token `draft_ids(n)[j]`
@@ -471,9 +477,16 @@ class Model:
         which is both the input hidden of a chained next step and the input of the LM head.
         """
         w, eps = self.w, self.cfg.rms_norm_eps
-        e = ops.rmsnorm(F.embedding(tokens, w["embed_tokens.weight"]), w["mtp.pre_fc_norm_embedding.weight"], eps)
-        hn = ops.rmsnorm(hiddens, w["mtp.pre_fc_norm_hidden.weight"], eps)
-        x = self.linear(torch.cat((e, hn), dim=-1), w["mtp.fc.weight"])
+        # embedding gather, both norms and the concatenation: one kernel on a GPU
+        pre = ops.mtp_prefc(
+            tokens,
+            hiddens,
+            w["embed_tokens.weight"],
+            w["mtp.pre_fc_norm_embedding.weight"],
+            w["mtp.pre_fc_norm_hidden.weight"],
+            eps,
+        )
+        x = self.linear(pre, w["mtp.fc.weight"])
         layers = len(state.mtp_k_cache)
         if not layers:
             return ops.rmsnorm(x, w["mtp.norm.weight"], eps)
@@ -488,3 +501,14 @@ class Model:
             nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
             h, x = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], x, nxt, eps)
         return h
+
+
+def _into(
+    out: tuple[torch.Tensor, torch.Tensor] | None, tok: torch.Tensor, prob: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tok, prob), copied into `out` when given (the paths whose kernels do not write there themselves)."""
+    if out is None:
+        return tok, prob
+    out[0].copy_(tok)
+    out[1].copy_(prob)
+    return out

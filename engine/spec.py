@@ -212,12 +212,12 @@ def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) ->
 def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:
     """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
     y = _catch_up(model, state, width)
+    # every step's position (start + s) in one launch, the steps reading their element (a launch a step before)
+    starts = state.start_buf + state.row_offsets(depth) if depth > 1 else None
     for s in range(depth):
-        tok, prob = model.draft_pick(y, sub)
-        state.ids_buf[1 + s : 2 + s].copy_(tok)
-        state.probs_buf[s : s + 1].copy_(prob)
+        model.draft_pick(y, sub, (state.ids_buf[1 + s : 2 + s], state.probs_buf[s : s + 1]))
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, starts[s : s + 1], state)
 
 
 def _draft_host(model: DecodeModel, state: SessionState, width: int, depth: int, p_min: float) -> int:
@@ -302,6 +302,7 @@ def _draft_chain_sampled(
     zeroed row, so the verify reads q(x) of every token x (zero outside the sub-vocabulary), as it needs."""
     y = _catch_up(model, state, width)
     ids = model.draft_ids(sub)
+    starts = state.start_buf + state.row_offsets(depth) if depth > 1 else None  # as in _draft_chain
     for s in range(depth):
         q = _process(model.draft_logits(y, sub), sp)  # [1, Vq]
         tok, prob = ops.sample_token(q, bufs.seed_buf, state.start_buf, s, ref_ops.RNG_DRAFT)
@@ -315,7 +316,7 @@ def _draft_chain_sampled(
         state.ids_buf[1 + s : 2 + s].copy_(tok)
         state.probs_buf[s : s + 1].copy_(prob)
         if s + 1 < depth:
-            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, state.start_buf + s, state)
+            y = model.mtp_forward(state.ids_buf[1 + s : 2 + s], y, starts[s : s + 1], state)
 
 
 def _draft_host_sampled(

@@ -792,13 +792,27 @@ _AM_THREADS = 1024
 _AM_MIN_PER_BLOCK = 16384
 
 
-def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _writable(x: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a kernel may write rows 0..n-1 of `x` by index: that shape and dtype, on `device`, unit stride."""
+    return x.shape == shape and x.dtype == dtype and x.device == device and (shape[0] <= 1 or x.stride(0) == 1)
+
+
+def argmax_prob(
+    logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not _cuda_ok(logits) or logits.dtype not in _KIND or logits.dim() != 2:
-        return _fallback("argmax_prob", logits)(logits, n)
+        return _fallback("argmax_prob", logits)(logits, n, out)
     t, vocab = logits.shape
     n = vocab if n <= 0 else min(int(n), vocab)
-    tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
-    prob = torch.empty((t,), dtype=torch.float32, device=logits.device)
+    if out is not None and not (
+        _writable(out[0], (t,), torch.int64, logits.device) and _writable(out[1], (t,), torch.float32, logits.device)
+    ):
+        return _fallback("argmax_prob", logits)(logits, n, out)
+    if out is not None:
+        tok, prob = out
+    else:
+        tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
+        prob = torch.empty((t,), dtype=torch.float32, device=logits.device)
     if t == 0 or n == 0:
         return tok, prob
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -833,6 +847,64 @@ def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tenso
             la.ArgmaxCombineArgs(pm=pm, ps=ps, pi=pi, P=parts, tok=tok, prob=prob),
         )
     return tok, prob
+
+
+def mtp_prefc(
+    tokens: torch.Tensor,
+    hiddens: torch.Tensor,
+    embed: torch.Tensor,
+    w_embed: torch.Tensor,
+    w_hidden: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    d = hiddens.shape[-1] if hiddens.dim() else 0
+    if (
+        not _cuda_ok(tokens, hiddens, embed, w_embed, w_hidden)
+        or hiddens.dtype not in _KIND
+        or embed.dtype != hiddens.dtype
+        or tokens.dtype != torch.int64
+        or tokens.dim() != 1
+        or hiddens.dim() != 2
+        or embed.dim() != 2
+        or tokens.shape[0] != hiddens.shape[0]
+        or embed.shape[1] != d
+        or d == 0
+        or (d > 1 and embed.stride(1) != 1)
+        or w_embed.numel() != d
+        or w_hidden.numel() != d
+    ):
+        return _fallback("mtp_prefc", tokens)(tokens, hiddens, embed, w_embed, w_hidden, eps)
+    we, kind_e = _aux(w_embed, hiddens.dtype)
+    wh, kind_h = _aux(w_hidden, hiddens.dtype)
+    if kind_e != kind_h:  # one weight in the activations' dtype, the other not: both in fp32
+        we, wh, kind_e = w_embed.float().contiguous(), w_hidden.float().contiguous(), "f"
+    t = tokens.shape[0]
+    y = torch.empty((t, 2 * d), dtype=hiddens.dtype, device=hiddens.device)
+    if t == 0:
+        return y
+    h = _rows(hiddens, d)
+    tk = tokens if tokens.is_contiguous() else tokens.contiguous()
+    _launch(
+        f"mtp_prefc_w{kind_e}",
+        hiddens.dtype,
+        hiddens.device,
+        (t, 2),
+        (_norm_threads(d),),
+        la.MtpPrefcArgs(
+            tokens=tk,
+            embed=embed,
+            es=embed.stride(0),
+            vocab=embed.shape[0],
+            h=h,
+            hs=h.stride(0),
+            we=we,
+            wh=wh,
+            y=y,
+            d=d,
+            eps=eps,
+        ),
+    )
+    return y
 
 
 def _accept_ints_ok(*ints: torch.Tensor) -> bool:
@@ -1374,6 +1446,8 @@ _KERNELS_PER_DTYPE = (
         "gdn_gates",
         "combine_add_rmsnorm_ws",
         "combine_add_rmsnorm_wf",
+        "mtp_prefc_ws",
+        "mtp_prefc_wf",
     ]
     + [f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"]
     + [f"attn_vec_u{u}_g{g}" for u in (2, 4) for g in (1, 2, 4, 8)]
@@ -1442,6 +1516,8 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         gg = z(2, 2, device=device)
         gated_delta_rule(qq, qq, vv, gg, z(2, 2, **kw), st, start)
         gated_delta_rule(qq, qq, vv, gg, z(2, 2, device=device), st, start)
+    for wa in (w, w.float()):
+        mtp_prefc(torch.ones(2, dtype=torch.int64, device=device), x, x, wa, wa, 1e-6)
     lg = torch.randn(2, 3 * _AM_MIN_PER_BLOCK, **kw)
     argmax_prob(lg, 0)
     argmax_prob(lg, 100)

@@ -98,6 +98,12 @@ AddRmsNormArgs = builder(
     "add_rmsnorm_ws",
     "add_rmsnorm_wf",
 )
+MtpPrefcArgs = builder(
+    "MtpPrefcArgs",
+    "ptr tokens, ptr embed, i64 es, i64 vocab, ptr h, i64 hs, ptr we, ptr wh, ptr y, i32 d, f32 eps",
+    "mtp_prefc_ws",
+    "mtp_prefc_wf",
+)
 CombineAddRmsNormArgs = builder(
     "CombineAddRmsNormArgs",
     "ptr part, i32 S, ptr r, i64 rs, ptr w, ptr y, ptr s, i32 d, f32 eps",

@@ -25,6 +25,7 @@ spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
+mtp_prefc = reference.mtp_prefc
 
 _cuda_enabled = False
 

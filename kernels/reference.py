@@ -304,16 +304,38 @@ def gemv_add_rmsnorm(
     return add_rmsnorm(gemv(x, w, variant), residual, weight, eps)
 
 
-def argmax_prob(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_prob(
+    logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy pick over the first n vocabulary ids (n = 0: all), and its softmax probability over them.
 
     logits [T, V] -> (token [T] int64, prob [T] fp32). Only these two numbers per row leave the op.
+    `out` = (token, prob) tensors of those shapes and dtypes (views of a round's buffers) to write them into,
+    returned: the chained draft puts each step's pick where the verify reads it, with no copy after.
     """
     scores = logits if n <= 0 else logits[:, :n]
     scores = scores.float()
     top, idx = scores.max(dim=-1)
     prob = 1.0 / torch.exp(scores - top[:, None]).sum(dim=-1)
-    return idx, prob
+    if out is None:
+        return idx, prob
+    out[0].copy_(idx)
+    out[1].copy_(prob)
+    return out
+
+
+def mtp_prefc(
+    tokens: torch.Tensor,
+    hiddens: torch.Tensor,
+    embed: torch.Tensor,
+    w_embed: torch.Tensor,
+    w_hidden: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The MTP head's fc input: cat(rmsnorm(embed[tokens], w_embed), rmsnorm(hiddens, w_hidden)), embedding
+    first. tokens [T] int64, hiddens [T, H], embed [V, H] -> [T, 2H] in hiddens' dtype."""
+    e = rmsnorm(F.embedding(tokens, embed), w_embed, eps)
+    return torch.cat((e, rmsnorm(hiddens, w_hidden, eps)), dim=-1)
 
 
 def greedy_accept(

@@ -36,6 +36,7 @@ NAMES = (
     "synthetic_accept",
     "gemv",
     "gemv_add_rmsnorm",
+    "mtp_prefc",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

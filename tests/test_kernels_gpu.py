@@ -51,6 +51,15 @@ def test_signatures_match_reference():
         assert str(inspect.signature(getattr(kc, name))) == str(inspect.signature(getattr(ref, name))), name
 
 
+def test_reference_argmax_writes_into_the_given_slots():
+    lg = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
+    ids, probs = torch.zeros(4, dtype=torch.int64), torch.zeros(3)
+    tok, prob = ref.argmax_prob(lg, 0, (ids[2:3], probs[1:2]))
+    assert ids.tolist() == [0, 0, 1, 0] and tok.data_ptr() == ids[2:3].data_ptr()
+    e = torch.exp(torch.tensor([-3.0, 0.0, -2.0, 0.0])).sum()
+    assert probs[0] == 0 and probs[2] == 0 and abs(float(prob) - float(1 / e)) < 1e-6
+
+
 def test_cpu_tensors_take_the_reference_path():
     import kernels.cuda as kc
 
@@ -133,6 +142,46 @@ def test_add_rmsnorm(kc, dtype, d, t):
         ry, rs = ref.add_rmsnorm(x, r, w, 1e-6)
         assert torch.equal(s, rs)  # the sum is one rounding of x + residual in both
         close(y, ry, "add_rmsnorm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 384, 4096])
+@pytest.mark.parametrize("t", [1, 4])
+def test_mtp_prefc(kc, dtype, d, t):
+    """The MTP head's fc input in one kernel: each half equals rmsnorm's kernel on its row bit for bit (the
+    same arithmetic), and the whole matches the reference; weights in the activations' dtype, in fp32, and
+    mixed; a strided hidden (the verify's rows) and a token view into a round's buffer."""
+    torch.manual_seed(d + 31 * t)
+    vocab = 1000
+    embed = rnd(vocab, d, dtype=dtype)
+    buf = torch.randint(0, vocab, (t + 3,), device=CUDA)
+    tokens = buf[1 : 1 + t]
+    hid = rnd(t, 2 * d, dtype=dtype, scale=3.0)[:, :d]
+    we, wh = rnd(d, dtype=dtype, scale=0.1), rnd(d, dtype=dtype, scale=0.1)
+    for a, b in ((we, wh), (we.float(), wh.float()), (we, wh.float())):
+        y = kc.mtp_prefc(tokens, hid, embed, a, b, 1e-6)
+        close(y, ref.mtp_prefc(tokens, hid, embed, a, b, 1e-6), "mtp_prefc")
+        if a.dtype == b.dtype:
+            assert torch.equal(y[:, :d], kc.rmsnorm(embed[tokens], a, 1e-6))
+            assert torch.equal(y[:, d:], kc.rmsnorm(hid, b, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [320, 32768, 248320])
+def test_argmax_prob_into_a_rounds_slots(kc, dtype, n):
+    """`out` given (the chained draft's ids_buf / probs_buf slots): the pick lands there, nothing else in the
+    buffers changes, and it is what the op returns without `out`."""
+    torch.manual_seed(n)
+    lg, hot = _logits(1, n, n, dtype)
+    ids = torch.full((6,), -7, dtype=torch.int64, device=CUDA)
+    probs = torch.full((5,), -1.0, device=CUDA)
+    got = kc.argmax_prob(lg, 0, (ids[2:3], probs[1:2]))
+    tok, prob = kc.argmax_prob(lg, 0)
+    assert got[0].data_ptr() == ids[2:3].data_ptr() and got[1].data_ptr() == probs[1:2].data_ptr()
+    assert ids.tolist() == [-7, -7, int(hot[0]), -7, -7, -7] and torch.equal(ids[2:3], tok)
+    assert torch.equal(probs[1:2], prob) and probs[[0, 2, 3, 4]].eq(-1.0).all()
 
 
 @pytest.mark.gpu

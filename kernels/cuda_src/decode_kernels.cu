@@ -145,17 +145,12 @@ __device__ __forceinline__ void norm_store_regs(const float (&v)[NORM_REG], cons
 
 // add_rmsnorm: s = x + residual (one rounding to dtype), y = rmsnorm(s). With r == nullptr it is rmsnorm of x
 // (nothing added, s not written): one implementation for both ops.
+// add_rmsnorm_row: one row, its pointers given (xr, rr: this row's input and residual; yr, sr: its outputs).
 template <typename W>
-__device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x, long long xs,
-                                                 const scalar_t* __restrict__ r, long long rs_,
-                                                 const W* __restrict__ w, scalar_t* __restrict__ y,
-                                                 scalar_t* __restrict__ s, int d, float eps) {
+__device__ __forceinline__ void add_rmsnorm_row(const scalar_t* __restrict__ xr, const scalar_t* __restrict__ rr,
+                                                const W* __restrict__ w, scalar_t* __restrict__ yr,
+                                                scalar_t* __restrict__ sr, int d, float eps) {
     __shared__ float sh[32];
-    const long long row = blockIdx.x;
-    const scalar_t* xr = x + row * xs;
-    const scalar_t* rr = r ? r + row * rs_ : nullptr;
-    scalar_t* sr = s ? s + row * (long long)d : nullptr;
-    scalar_t* yr = y + row * (long long)d;
     const int nt = blockDim.x;
     if (d <= NORM_REG * nt) {
         float v[NORM_REG], wv[NORM_REG];
@@ -183,6 +178,17 @@ __device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x,
     }
 }
 
+// One block per row (blockIdx.x) of x [rows, xs] (and r [rows, rs_]); y, s [rows, d].
+template <typename W>
+__device__ __forceinline__ void add_rmsnorm_impl(const scalar_t* __restrict__ x, long long xs,
+                                                 const scalar_t* __restrict__ r, long long rs_,
+                                                 const W* __restrict__ w, scalar_t* __restrict__ y,
+                                                 scalar_t* __restrict__ s, int d, float eps) {
+    const long long row = blockIdx.x;
+    add_rmsnorm_row<W>(x + row * xs, r ? r + row * rs_ : nullptr, w, y + row * (long long)d,
+                       s ? s + row * (long long)d : nullptr, d, eps);
+}
+
 extern "C" __global__ void rmsnorm_ws(const scalar_t* x, long long xs, const scalar_t* w, scalar_t* y, int d,
                                       float eps) {
     PDL_ENTER();
@@ -203,6 +209,40 @@ extern "C" __global__ void add_rmsnorm_wf(const scalar_t* x, long long xs, const
                                           const float* w, scalar_t* y, scalar_t* s, int d, float eps) {
     PDL_ENTER();
     add_rmsnorm_impl<float>(x, xs, r, rs, w, y, s, d, eps);
+}
+
+// mtp_prefc: the MTP head's fc input, y [T, 2d] = cat(rmsnorm(embed[tokens], we), rmsnorm(h, wh)), the
+// embedding gather, both norms and the concatenation in one launch (they were four). Grid (T, 2): blockIdx.y 0
+// norms the token's embedding row into y[:, :d], 1 the hidden into y[:, d:], each with add_rmsnorm_row (the
+// arithmetic of rmsnorm's kernel, so each half equals it bit for bit). A token id outside 0..vocab-1 (never
+// one the engine picks) is clamped instead of read out of bounds.
+template <typename W>
+__device__ __forceinline__ void mtp_prefc_impl(const long long* __restrict__ tokens,
+                                               const scalar_t* __restrict__ embed, long long es, long long vocab,
+                                               const scalar_t* __restrict__ h, long long hs,
+                                               const W* __restrict__ we, const W* __restrict__ wh,
+                                               scalar_t* __restrict__ y, int d, float eps) {
+    const long long row = blockIdx.x;
+    scalar_t* yr = y + row * 2LL * d;
+    if (blockIdx.y == 0) {
+        long long t = tokens[row];
+        t = t < 0 ? 0 : (t >= vocab ? vocab - 1 : t);
+        add_rmsnorm_row<W>(embed + t * es, nullptr, we, yr, nullptr, d, eps);
+    } else {
+        add_rmsnorm_row<W>(h + row * hs, nullptr, wh, yr + d, nullptr, d, eps);
+    }
+}
+extern "C" __global__ void mtp_prefc_ws(const long long* tokens, const scalar_t* embed, long long es,
+                                        long long vocab, const scalar_t* h, long long hs, const scalar_t* we,
+                                        const scalar_t* wh, scalar_t* y, int d, float eps) {
+    PDL_ENTER();
+    mtp_prefc_impl<scalar_t>(tokens, embed, es, vocab, h, hs, we, wh, y, d, eps);
+}
+extern "C" __global__ void mtp_prefc_wf(const long long* tokens, const scalar_t* embed, long long es,
+                                        long long vocab, const scalar_t* h, long long hs, const float* we,
+                                        const float* wh, scalar_t* y, int d, float eps) {
+    PDL_ENTER();
+    mtp_prefc_impl<float>(tokens, embed, es, vocab, h, hs, we, wh, y, d, eps);
 }
 
 // gemv_add_rmsnorm's second half: the split-K combine of a gemv (gemv_kernels.cu wrote fp32 partials
