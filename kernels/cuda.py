@@ -788,6 +788,77 @@ def gated_delta_rule(
     return out
 
 
+def gated_delta_rule_ab(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    n = state_ring.shape[0]
+    if t >= n:
+        raise ValueError(f"a recurrent batch of {t} tokens needs more than {n} snapshot planes")
+    if (
+        not _cuda_ok(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
+        or v.dtype not in _KIND
+        or not (q.dtype == k.dtype == v.dtype == a.dtype == b.dtype)
+        or state_ring.dtype != torch.float32
+        or not state_ring.is_contiguous()
+        or dk > 128
+        or hv % hk != 0
+        or a.dim() != 2
+        or a.shape != (t, hv)
+        or b.shape != (t, hv)
+        or neg_exp_a.dtype != torch.float32
+        or neg_exp_a.numel() != hv
+        or dt_bias.numel() != hv
+    ):
+        return _fallback("gated_delta_rule_ab", q)(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
+    out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    if out.numel() == 0:
+        return out
+    qc, kc, vc = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    a2, b2 = _rows(a, hv), _rows(b, hv)
+    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+    sp, sv = _start_args(start, v.device)
+    _launch(
+        f"gdr_dk{dkp}_ab",
+        v.dtype,
+        v.device,
+        ((dv + 31) // 32, hv),
+        (max(32, dkp),),
+        la.GatedDeltaRuleAbArgs(
+            **_heads("q", qc),
+            **_heads("k", kc),
+            **_heads("v", vc),
+            a=a2,
+            as0=a2.stride(0),
+            b=b2,
+            bs0=b2.stride(0),
+            neg_exp_a=neg_exp_a.contiguous(),
+            dt_bias=dt_bias.float().contiguous(),
+            ring=state_ring,
+            out=out,
+            sp=sp,
+            sv=sv,
+            T=t,
+            Hk=hk,
+            Hv=hv,
+            dk=dk,
+            dv=dv,
+            n_planes=n,
+            qscale=dk**-0.5,
+        ),
+    )
+    return out
+
+
 _AM_THREADS = 1024
 _AM_MIN_PER_BLOCK = 4096  # bench/argmax_split.py on the H200: 32k logits 6.3 us (8.6 at 16384), 248k 6.8 (8.6)
 
@@ -1454,6 +1525,7 @@ _KERNELS_PER_DTYPE = (
     + [f"attn_{kind}_e{e}" for kind in ("split", "tile") for e in (1, 2, 4, 8)]
     + [f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"]
     + [f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"]
+    + [f"gdr_dk{d}_ab" for d in (16, 32, 64, 128)]
 )
 
 
@@ -1516,6 +1588,7 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         gg = z(2, 2, device=device)
         gated_delta_rule(qq, qq, vv, gg, z(2, 2, **kw), st, start)
         gated_delta_rule(qq, qq, vv, gg, z(2, 2, device=device), st, start)
+        gated_delta_rule_ab(qq, qq, vv, z(2, 2, **kw), z(2, 2, **kw), z(2, device=device), z(2, **kw), st, start)
     for wa in (w, w.float()):
         mtp_prefc(torch.ones(2, dtype=torch.int64, device=device), x, x, wa, wa, 1e-6)
     lg = torch.randn(2, 3 * _AM_MIN_PER_BLOCK, **kw)

@@ -26,6 +26,7 @@ synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
+gated_delta_rule_ab = reference.gated_delta_rule_ab
 
 _cuda_enabled = False
 

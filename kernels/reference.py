@@ -211,6 +211,24 @@ def gated_delta_rule(
     return out.to(v.dtype)
 
 
+def gated_delta_rule_ab(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    """The recurrent gated delta rule with its gates given raw: gated_delta_rule(q, k, v, *gdn_gates(a, b,
+    neg_exp_a, dt_bias), state_ring, start). a, b [T, Hv] (the delta-net projection's columns); the decode
+    path's form, one kernel on a GPU where the two ops were two."""
+    g, beta = gdn_gates(a, b, neg_exp_a, dt_bias)
+    return gated_delta_rule(q, k, v, g, beta, state_ring, start)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,6 +37,7 @@ NAMES = (
     "gemv",
     "gemv_add_rmsnorm",
     "mtp_prefc",
+    "gated_delta_rule_ab",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

@@ -366,6 +366,31 @@ def test_gated_delta_rule(kc, dtype, hk, hv, dk, dv, t, start, tensor_start):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv", GDR_SHAPES)
+@pytest.mark.parametrize("t", [1, 9])
+def test_gated_delta_rule_ab(kc, dtype, hk, hv, dk, dv, t):
+    """The rule with raw gates (a, b strided columns of the projection, a + dt_bias past softplus' threshold):
+    equal to the reference, and bit for bit to gdn_gates then gated_delta_rule on the GPU (out and planes)."""
+    torch.manual_seed(hk * hv + dk + dv + t)
+    n_planes, start = 18, torch.tensor([7], device=CUDA)
+    q, k, v, _, _, state0 = _gdr_inputs(t, hk, hv, dk, dv, dtype, n_planes)
+    packed = rnd(t, 8 + 2 * hv, dtype=dtype, scale=3.0)
+    b, a = packed[:, 8 : 8 + hv], packed[:, 8 + hv :]
+    neg_exp_a = -torch.rand(hv, device=CUDA).mul(2).add(0.05)
+    for dt_bias in (rnd(hv, scale=4.0), rnd(hv, dtype=dtype, scale=4.0)):
+        ring = state0.clone()
+        out = kc.gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, ring, start)
+        rring = state0.clone()
+        close(out, ref.gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, rring, 7), "delta rule ab out")
+        close(ring, rring, "delta rule ab planes")
+        two = state0.clone()
+        g, beta = kc.gdn_gates(a, b, neg_exp_a, dt_bias)
+        assert torch.equal(out, kc.gated_delta_rule(q, k, v, g, beta, two, start))
+        assert torch.equal(ring, two)
+
+
+@pytest.mark.gpu
 def test_gated_delta_rule_refuses_too_few_planes(kc):
     q, k, v, g, beta, state = _gdr_inputs(4, 2, 4, 16, 8, torch.float32, 4)
     with pytest.raises(ValueError):

@@ -1245,17 +1245,21 @@ CONV_UPDATE(8)
 // keeps its ROWS state entries in registers for all T tokens; u = S^T k and o = S^T q are summed over
 // the slices through shared memory. q and k of a chunk of tokens are l2-normalised into shared memory.
 // DK is dk rounded up to a power of two (16 .. 128); rows >= dk are zero and never stored.
+// RAW (the gdr_dk*_ab kernels, op gated_delta_rule_ab): g and beta are the raw projections a and b (scalar_t)
+// and each token's gates are worked out here with gdn_gates' arithmetic (beta rounded to scalar_t as that
+// kernel stores it), so the result equals gdn_gates -> gdr_dk*_bs bit for bit, in one launch instead of two.
 // ------------------------------------------------------------------------------------------------
 #define GDR_TC 16
 
-template <int DK, typename BT>
+template <int DK, typename BT, bool RAW>
 __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                          const scalar_t* __restrict__ k, long long ks0, long long ks1,
                                          const scalar_t* __restrict__ v, long long vs0, long long vs1,
-                                         const float* __restrict__ g, long long gs0, const BT* __restrict__ beta,
-                                         long long bs0, float* __restrict__ ring, scalar_t* __restrict__ out,
-                                         const long long* start_ptr, long long start_val, int T, int Hk, int Hv,
-                                         int dk, int dv, int n_planes, float qscale) {
+                                         const void* __restrict__ g, long long gs0, const void* __restrict__ beta,
+                                         long long bs0, const float* __restrict__ neg_exp_a,
+                                         const float* __restrict__ dt_bias, float* __restrict__ ring,
+                                         scalar_t* __restrict__ out, const long long* start_ptr, long long start_val,
+                                         int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale) {
     constexpr int NS = DK >= 32 ? DK / 32 : 1;
     constexpr int ROWS = DK / NS;
     constexpr int EPL = (DK + 31) / 32;
@@ -1317,8 +1321,17 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
         for (int tt = 0; tt < tc; ++tt) {
             const int t = t0 + tt;
             const int buf = t & 1;
-            const float eg = expf(g[t * gs0 + h]);
-            const float bt = to_f(beta[t * bs0 + h]);
+            float eg, bt;
+            if (RAW) {
+                const float x = to_f(static_cast<const scalar_t*>(g)[t * gs0 + h]) + dt_bias[h];
+                const float spl = x > 20.0f ? x : log1pf(expf(x));
+                eg = expf(neg_exp_a[h] * spl);
+                const float bv = to_f(static_cast<const scalar_t*>(beta)[t * bs0 + h]);
+                bt = to_f(from_f<scalar_t>(1.0f / (1.0f + expf(-bv))));
+            } else {
+                eg = expf(static_cast<const float*>(g)[t * gs0 + h]);
+                bt = to_f(static_cast<const BT*>(beta)[t * bs0 + h]);
+            }
             const float vv = active ? to_f(v[t * vs0 + h * vs1 + col]) : 0.f;
             float u = 0.f;
 #pragma unroll
@@ -1367,8 +1380,8 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long gs0, const scalar_t* beta, long long bs0, float* ring, scalar_t* out,      \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
-        gdr_impl<DK, scalar_t>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv,  \
-                               T, Hk, Hv, dk, dv, n_planes, qscale);                                         \
+        gdr_impl<DK, scalar_t, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr,     \
+                                      nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);      \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_bf(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1376,8 +1389,18 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long gs0, const float* beta, long long bs0, float* ring, scalar_t* out,         \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
-        gdr_impl<DK, float>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, ring, out, sp, sv, T,  \
-                            Hk, Hv, dk, dv, n_planes, qscale);                                               \
+        gdr_impl<DK, float, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr,        \
+                                   nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);         \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
+        gdr_dk##DK##_ab(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
+                        long long ks1, const scalar_t* v, long long vs0, long long vs1, const scalar_t* a,   \
+                        long long as0, const scalar_t* b, long long bs0, const float* neg_exp_a,             \
+                        const float* dt_bias, float* ring, scalar_t* out, const long long* sp, long long sv, \
+                        int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale) {                 \
+        PDL_ENTER();                                                                                         \
+        gdr_impl<DK, scalar_t, true>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0, neg_exp_a,       \
+                                     dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);       \
     }
 GDR(16)
 GDR(32)
