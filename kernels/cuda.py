@@ -721,57 +721,44 @@ def conv_update(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor, 
     return y
 
 
-def gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state_ring: torch.Tensor,
-    start: Start,
-) -> torch.Tensor:
+def _gdr_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_ring: torch.Tensor) -> bool:
+    """Whether the recurrent rule's kernel takes these operands (raises when the ring is too short for T)."""
     t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
     n = state_ring.shape[0]
     if t >= n:
         raise ValueError(f"a recurrent batch of {t} tokens needs more than {n} snapshot planes")
-    if (
-        not _cuda_ok(q, k, v, g, beta, state_ring)
-        or v.dtype not in _KIND
-        or not (q.dtype == k.dtype == v.dtype)
-        or state_ring.dtype != torch.float32
-        or not state_ring.is_contiguous()
-        or dk > 128
-        or hv % hk != 0
-    ):
-        return _fallback("gated_delta_rule", q)(q, k, v, g, beta, state_ring, start)
+    return (
+        v.dtype in _KIND
+        and q.dtype == k.dtype == v.dtype
+        and state_ring.dtype == torch.float32
+        and state_ring.is_contiguous()
+        and dk <= 128
+        and v.shape[1] % hk == 0
+    )
+
+
+def _gdr_launch(kernel: str, builder, q, k, v, state_ring, start: Start, gates: dict) -> torch.Tensor:
+    """Launch the recurrent rule's kernel `kernel` (its "{dk}" filled with dk rounded up to a power of two)
+    with the operands both forms share and their gate operands `gates`."""
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
     out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     if out.numel() == 0:
         return out
     qc, kc, vc = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
-    gf = g.float() if g.dtype != torch.float32 else g
-    gf = gf.reshape(t, hv)
-    if hv > 1 and gf.stride(1) != 1:
-        gf = gf.contiguous()
-    b, bs = _aux(beta, v.dtype)
-    b = b.reshape(t, hv)
     dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
-    threads = max(32, dkp)
     sp, sv = _start_args(start, v.device)
     _launch(
-        f"gdr_dk{dkp}_b{bs}",
+        kernel.format(dk=dkp),
         v.dtype,
         v.device,
         ((dv + 31) // 32, hv),
-        (threads,),
-        la.GatedDeltaRuleArgs(
+        (max(32, dkp),),
+        builder(
             **_heads("q", qc),
             **_heads("k", kc),
             **_heads("v", vc),
-            g=gf,
-            gs0=gf.stride(0),
-            beta=b,
-            bs0=b.stride(0),
+            **gates,
             ring=state_ring,
             out=out,
             sp=sp,
@@ -781,11 +768,33 @@ def gated_delta_rule(
             Hv=hv,
             dk=dk,
             dv=dv,
-            n_planes=n,
+            n_planes=state_ring.shape[0],
             qscale=dk**-0.5,
         ),
     )
     return out
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+) -> torch.Tensor:
+    if not (_cuda_ok(q, k, v, g, beta, state_ring) and _gdr_fits(q, k, v, state_ring)):
+        return _fallback("gated_delta_rule", q)(q, k, v, g, beta, state_ring, start)
+    t, hv = q.shape[0], v.shape[1]
+    gf = g.float() if g.dtype != torch.float32 else g
+    gf = gf.reshape(t, hv)
+    if hv > 1 and gf.stride(1) != 1:
+        gf = gf.contiguous()
+    b, bs = _aux(beta, v.dtype)
+    b = b.reshape(t, hv)
+    gates = {"g": gf, "gs0": gf.stride(0), "beta": b, "bs0": b.stride(0)}
+    return _gdr_launch(f"gdr_dk{{dk}}_b{bs}", la.GatedDeltaRuleArgs, q, k, v, state_ring, start, gates)
 
 
 def gated_delta_rule_ab(
@@ -799,64 +808,21 @@ def gated_delta_rule_ab(
     state_ring: torch.Tensor,
     start: Start,
 ) -> torch.Tensor:
-    t, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    n = state_ring.shape[0]
-    if t >= n:
-        raise ValueError(f"a recurrent batch of {t} tokens needs more than {n} snapshot planes")
-    if (
-        not _cuda_ok(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
-        or v.dtype not in _KIND
-        or not (q.dtype == k.dtype == v.dtype == a.dtype == b.dtype)
-        or state_ring.dtype != torch.float32
-        or not state_ring.is_contiguous()
-        or dk > 128
-        or hv % hk != 0
-        or a.dim() != 2
-        or a.shape != (t, hv)
-        or b.shape != (t, hv)
-        or neg_exp_a.dtype != torch.float32
-        or neg_exp_a.numel() != hv
-        or dt_bias.numel() != hv
+    t, hv = q.shape[0], v.shape[1]
+    if not (
+        _cuda_ok(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
+        and _gdr_fits(q, k, v, state_ring)
+        and a.dtype == b.dtype == v.dtype
+        and a.shape == b.shape == (t, hv)
+        and neg_exp_a.dtype == torch.float32
+        and neg_exp_a.numel() == hv
+        and dt_bias.numel() == hv
     ):
         return _fallback("gated_delta_rule_ab", q)(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
-    out = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
-    if out.numel() == 0:
-        return out
-    qc, kc, vc = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
     a2, b2 = _rows(a, hv), _rows(b, hv)
-    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
-    sp, sv = _start_args(start, v.device)
-    _launch(
-        f"gdr_dk{dkp}_ab",
-        v.dtype,
-        v.device,
-        ((dv + 31) // 32, hv),
-        (max(32, dkp),),
-        la.GatedDeltaRuleAbArgs(
-            **_heads("q", qc),
-            **_heads("k", kc),
-            **_heads("v", vc),
-            a=a2,
-            as0=a2.stride(0),
-            b=b2,
-            bs0=b2.stride(0),
-            neg_exp_a=neg_exp_a.contiguous(),
-            dt_bias=dt_bias.float().contiguous(),
-            ring=state_ring,
-            out=out,
-            sp=sp,
-            sv=sv,
-            T=t,
-            Hk=hk,
-            Hv=hv,
-            dk=dk,
-            dv=dv,
-            n_planes=n,
-            qscale=dk**-0.5,
-        ),
-    )
-    return out
+    gates = {"a": a2, "as0": a2.stride(0), "b": b2, "bs0": b2.stride(0)}
+    gates |= {"neg_exp_a": neg_exp_a.contiguous(), "dt_bias": dt_bias.float().contiguous()}
+    return _gdr_launch("gdr_dk{dk}_ab", la.GatedDeltaRuleAbArgs, q, k, v, state_ring, start, gates)
 
 
 _AM_THREADS = 1024
