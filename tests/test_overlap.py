@@ -50,14 +50,20 @@ def test_overlapped_rounds_give_the_same_tokens(overlapped, tiny_engine, setting
     assert sess.tokens == PROMPT + want
 
 
-def test_a_cancel_while_handling_an_event_stops_after_the_round_already_queued(overlapped):
-    want = _greedy(overlapped, PROMPT, 30)
-    sess = overlapped.new_session()
+def _cancel_at_third_event(eng, sess) -> list:
+    """The events of a 30-token target-only stream whose third event's handler cancels the session."""
     events = []
-    for ev in overlapped.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
+    for ev in eng.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
         events.append(ev)
         if len(events) == 3:
             sess.cancel()
+    return events
+
+
+def test_a_cancel_while_handling_an_event_stops_after_the_round_already_queued(overlapped):
+    want = _greedy(overlapped, PROMPT, 30)
+    sess = overlapped.new_session()
+    events = _cancel_at_third_event(overlapped, sess)
     rounds = [ev for ev in events if ev.tokens]
     assert len(rounds) == 4  # the three seen, then the one queued when the cancel came
     assert events[-1].stop_reason == "cancelled" and not events[-1].tokens
@@ -111,11 +117,6 @@ def test_by_default_overlap_is_on_for_a_gpu_only(tiny_engine):
     """The default (None) overlaps on a GPU; on the CPU, where a round's work is done when it is queued, a cancel
     made while handling an event stops the run right there, with no round queued ahead."""
     assert tiny_engine.overlap_rounds is None and tiny_engine.model.device.type == "cpu"
-    sess = tiny_engine.new_session()
-    events = []
-    for ev in tiny_engine.stream(PROMPT, 30, EngineSettings(speculative=False), sess):
-        events.append(ev)
-        if len(events) == 3:
-            sess.cancel()
+    events = _cancel_at_third_event(tiny_engine, tiny_engine.new_session())
     assert len([ev for ev in events if ev.tokens]) == 3
     assert events[-1].stop_reason == "cancelled"
