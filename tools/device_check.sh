@@ -14,6 +14,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUPY_CACHE_DIR=$PWD/.device-site/cupy-cache  # compiled kernels kept between calls when carried back
 mkdir -p "$CUPY_CACHE_DIR"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+ENGINE_TESTS="tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_hostile_model.py tests/test_adaptive.py"
+# gpu_tests LIMIT_S LOG FILE...: the GPU tests of FILEs, their whole output in LOG; prints the failures and the summary
+gpu_tests() {
+    local limit=$1 log=$2; shift 2
+    timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 "$@" > "$log" 2>&1
+    grep -E '^(FAILED|ERROR)' "$log" | head -20; tail -1 "$log"
+}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests ctx auto)
 for part in "${parts[@]}"; do
@@ -21,19 +28,15 @@ for part in "${parts[@]}"; do
     case "$part" in
     tests)
         for group in "tests/test_kernels_gpu.py tests/test_pdl_gpu.py" "tests/test_gemv_gpu.py tests/test_gemv_engine_gpu.py" \
-            "tests/test_gpu_engine.py tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_long_context.py tests/test_hostile_model.py tests/test_adaptive.py"; do
+            "$ENGINE_TESTS tests/test_long_context.py"; do
             el "$group"
-            log=$OUT/tests-$(echo $group | md5sum | cut -c1-6).txt
-            timeout 280 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 $group > $log 2>&1
-            grep -E '^(FAILED|ERROR)' $log | head -20; tail -1 $log
+            gpu_tests 280 $OUT/tests-$(echo $group | md5sum | cut -c1-6).txt $group
         done ;;
     ctx) timeout 200 python3 bench/gpu_bench.py --sections ctx --out $OUT/ctx.txt 2>&1 | grep -v -i warn | tail -25 ;;
     auto) timeout 240 python3 bench/gpu_bench.py --sections auto --n 2048 --out $OUT/auto.txt 2>&1 | grep -v -i warn | tail -10 ;;
     overlap) timeout 150 python3 bench/gpu_bench.py --sections overlap --n 1024 --out $OUT/overlap.txt 2>&1 | grep -v -i warn | tail -8 ;;
     table) timeout 240 python3 bench/gpu_bench.py --sections a,b,c --out $OUT/table.txt 2>&1 | grep -v -i warn | tail -40 ;;
-    engine) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 tests/test_gpu_engine.py \
-        tests/test_exact_gpu.py tests/test_sampling_gpu.py tests/test_adaptive.py tests/test_hostile_model.py > $OUT/engine-tests.txt 2>&1
-        grep -E '^(FAILED|ERROR)' $OUT/engine-tests.txt | head -20; tail -1 $OUT/engine-tests.txt ;;
+    engine) gpu_tests 200 $OUT/engine-tests.txt $ENGINE_TESTS ;;
     real) timeout 240 python3 bench/gpu_bench.py --sections real --n 512 --out $OUT/real.txt 2>&1 | grep -v -i warn | tail -30 ;;
     *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table or real" ;;
     esac
