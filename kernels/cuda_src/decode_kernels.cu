@@ -1251,6 +1251,16 @@ CONV_UPDATE(8)
 // ------------------------------------------------------------------------------------------------
 #define GDR_TC 16
 
+// The delta-net gates of one (token, head) from the raw projection columns a, b: g = neg_exp_A * softplus(a +
+// dt_bias) in fp32 (softplus threshold 20 as in torch), beta = sigmoid(b) rounded to b's dtype. gdn_gates stores
+// them; the rule's RAW kernels use them directly.
+__device__ __forceinline__ float gdn_log_decay(float a, float dt_bias, float neg_exp_a) {
+    const float x = a + dt_bias;
+    const float sp = x > 20.0f ? x : log1pf(expf(x));
+    return neg_exp_a * sp;
+}
+__device__ __forceinline__ scalar_t gdn_beta(float b) { return from_f<scalar_t>(1.0f / (1.0f + expf(-b))); }
+
 template <int DK, typename BT, bool RAW>
 __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                          const scalar_t* __restrict__ k, long long ks0, long long ks1,
@@ -1323,11 +1333,8 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
             const int buf = t & 1;
             float eg, bt;
             if (RAW) {
-                const float x = to_f(static_cast<const scalar_t*>(g)[t * gs0 + h]) + dt_bias[h];
-                const float spl = x > 20.0f ? x : log1pf(expf(x));
-                eg = expf(neg_exp_a[h] * spl);
-                const float bv = to_f(static_cast<const scalar_t*>(beta)[t * bs0 + h]);
-                bt = to_f(from_f<scalar_t>(1.0f / (1.0f + expf(-bv))));
+                eg = expf(gdn_log_decay(to_f(static_cast<const scalar_t*>(g)[t * gs0 + h]), dt_bias[h], neg_exp_a[h]));
+                bt = to_f(gdn_beta(to_f(static_cast<const scalar_t*>(beta)[t * bs0 + h])));
             } else {
                 eg = expf(static_cast<const float*>(g)[t * gs0 + h]);
                 bt = to_f(static_cast<const BT*>(beta)[t * bs0 + h]);
@@ -1435,11 +1442,8 @@ extern "C" __global__ void gdn_gates(const scalar_t* __restrict__ a, long long a
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= T * H) return;
     const int t = idx / H, h = idx - t * H;
-    const float bv = to_f(b[t * bs0 + h]);
-    beta[idx] = from_f<scalar_t>(1.0f / (1.0f + expf(-bv)));
-    const float x = to_f(a[t * as0 + h]) + dt_bias[h];
-    const float sp = x > 20.0f ? x : log1pf(expf(x));
-    g[idx] = neg_exp_a[h] * sp;
+    beta[idx] = gdn_beta(to_f(b[t * bs0 + h]));
+    g[idx] = gdn_log_decay(to_f(a[t * as0 + h]), dt_bias[h], neg_exp_a[h]);
 }
 
 // ------------------------------------------------------------------------------------------------
