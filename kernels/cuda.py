@@ -911,10 +911,10 @@ def mtp_prefc(
         or w_hidden.numel() != d
     ):
         return _fallback("mtp_prefc", tokens)(tokens, hiddens, embed, w_embed, w_hidden, eps)
-    we, kind_e = _aux(w_embed, hiddens.dtype)
-    wh, kind_h = _aux(w_hidden, hiddens.dtype)
-    if kind_e != kind_h:  # one weight in the activations' dtype, the other not: both in fp32
-        we, wh, kind_e = w_embed.float().contiguous(), w_hidden.float().contiguous(), "f"
+    if w_embed.dtype == w_hidden.dtype == hiddens.dtype:  # the "s" kernel; else both weights in fp32 ("f")
+        we, wh, kind = w_embed.contiguous(), w_hidden.contiguous(), "s"
+    else:
+        we, wh, kind = w_embed.float().contiguous(), w_hidden.float().contiguous(), "f"
     t = tokens.shape[0]
     y = torch.empty((t, 2 * d), dtype=hiddens.dtype, device=hiddens.device)
     if t == 0:
@@ -922,7 +922,7 @@ def mtp_prefc(
     h = _rows(hiddens, d)
     tk = tokens if tokens.is_contiguous() else tokens.contiguous()
     _launch(
-        f"mtp_prefc_w{kind_e}",
+        f"mtp_prefc_w{kind}",
         hiddens.dtype,
         hiddens.device,
         (t, 2),
