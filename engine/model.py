@@ -66,9 +66,9 @@ class Model:
         # whole head as well while `mirror_output` is on (built from the host copy, or the tied embedding).
         self.mirror = False
         self.combine = "argmax"  # vocab-parallel pick: distributed argmax, or "gather" the logits (before)
-        # proj_add_norm's fused combine + add + norm: off, as measured (bench/gpu_bench.py pdl, H200 2026-12-01:
-        # 9B-like --gemm auto 209.6 t/s unfused, 198.3 fused); on only to measure it again
-        self.fuse_norm = False
+        # proj_add_norm as one launch (the gemv kernel's fused add + norm) where a gemv kernel makes the product;
+        # off only to measure the two-launch form against it (bench/gpu_bench.py pdl)
+        self.fuse_norm = True
         self.pdl = False  # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py)
         self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:
@@ -184,8 +184,9 @@ class Model:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A row-parallel projection whose output joins the residual stream, and the norm after it:
         add_rmsnorm(row_parallel(x, weight), residual, norm_weight) -> (normed, new residual). On one GPU with a
-        gemv kernel making the product, one fused op (the split-K combine, the add and the norm in one launch,
-        bit for bit the same)."""
+        gemv kernel making the product, one launch (the product, its split-K sum, the add and the norm; the new
+        residual bit for bit the same, the normed rows within a rounding, each row alike whatever rows come with
+        it)."""
         if self._gemv is not None and not self.group.active and self.fuse_norm:
             return self._gemv.add_rmsnorm(x, weight, residual, norm_weight, eps)
         return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)

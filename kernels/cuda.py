@@ -1197,6 +1197,13 @@ _GEMV_SRC = Path(__file__).resolve().parent / "cuda_src" / "gemv_kernels.cu"
 _GEMV_SIMT_ROWS = (1, 4, 8, 17)  # the row buckets of the CUDA-core kernels (MB: accumulators per column)
 _GEMV_SIMT = tuple(f"gemv_simt_m{mb}_c{c}" for mb in _GEMV_SIMT_ROWS for c in (1, 2))
 _GEMV_TC = tuple(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2))
+# The fused projection + residual add + norm (gemv_add_rmsnorm): every kernel above with its "_an" form. A
+# launch counts its blocks in device int32 counters (from a pool) that its last blocks leave at zero; a weight
+# keeps its counters for the process (the same weight is never multiplied on two streams at once).
+_GEMV_COUNTERS = 1 << 20
+_gemv_counters: dict[int, torch.Tensor] = {}  # device -> the pool
+_gemv_counter_at: dict[tuple[int, int, int], int] = {}  # (device, weight pointer, slots) -> offset in the pool
+_gemv_counter_used: dict[int, int] = {}  # device -> counters handed out
 _GEMV_STEP = 64  # K elements of one tensor-core step; every K split is a multiple of it
 _GEMV_WARPS_PER_SM = 12  # warps the default launch aims for (a memory stream needs many loads in flight)
 _ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -1244,7 +1251,8 @@ def _tensor_cores(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
-    return (*_GEMV_SIMT, "gemv_combine", *(_GEMV_TC if _tensor_cores(dtype, device) else ()))
+    plain = (*_GEMV_SIMT, *(_GEMV_TC if _tensor_cores(dtype, device) else ()))
+    return (*plain, "gemv_combine", *(f"{name}_an" for name in plain))
 
 
 def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -1269,6 +1277,8 @@ def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[
             _gemv_failed[(dev, kind)] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             warnings.warn(f"SpecDeck gemv kernels unavailable ({_gemv_failed[(dev, kind)]})", stacklevel=2)
             return False, _gemv_failed[(dev, kind)]
+        if dev not in _gemv_counters:  # made here, outside any capture (a capture would only record the memset)
+            _gemv_counters[dev] = torch.zeros(_GEMV_COUNTERS, dtype=torch.int32, device=device)
         _gemv_ready.add((dev, kind))
     family = "tensor-core and CUDA-core" if _tensor_cores(dtype, device) else "CUDA-core"
     return True, f"{family} gemv kernels loaded"
@@ -1376,7 +1386,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.
         return _fallback("gemv", x)(x, w, variant)
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part, splits = _gemv_main(x, w, variant, out, partials=False)
+    part, splits = _gemv_main(x, w, variant, out)
     if part is not None:
         combine = la.GemvCombineArgs(part=part, out=out, S=splits, MN=m * n)
         _launch_gemv("gemv_combine", x.dtype, x.device, (-(-(m * n) // 256),), (256,), combine)
@@ -1391,9 +1401,10 @@ def gemv_add_rmsnorm(
     eps: float,
     variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gemv kernel writing fp32 partials (one split or more), then one launch that combines them, adds the
-    residual and norms: bit for bit gemv -> add_rmsnorm, one launch fewer where the product splits K, and the
-    projection's output never stored in the activation dtype."""
+    """One launch: the gemv kernel's "_an" form, whose last block adds the K splits and the residual (s, bit for
+    bit gemv -> add_rmsnorm) and norms each row (y; its sum of squares in a fixed order of its own, so a row's y
+    never depends on the rows beside it; within a rounding of add_rmsnorm's). Needs N a whole number of
+    16-byte vectors, and the kernels loaded before any capture (gemv_kernels: the counters are made there)."""
     m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
     if (
         not gemv_takes(x, w)
@@ -1403,26 +1414,73 @@ def gemv_add_rmsnorm(
         or residual.dtype != x.dtype
         or residual.stride(1) != 1
         or weight.numel() != n
-        or n > _NORM_REG * 1024
+        or n % (16 // x.element_size()) != 0
     ):
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
-    part, splits = _gemv_main(x, w, variant, None, partials=True)
+    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
+    cnt = _gemv_counter(x.device, w, grid[0] + 1)
+    if cnt is None:
+        return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    wt, ws = _aux(weight, x.dtype)
-    args = la.CombineAddRmsNormArgs(
-        part=part, S=splits, r=residual, rs=residual.stride(0), w=wt, y=y, s=s, d=n, eps=eps
-    )
-    _launch(f"combine_add_rmsnorm_w{ws}", x.dtype, x.device, (m,), (_norm_threads(n),), args)
+    nw = weight.reshape(-1)
+    nw = nw.contiguous() if nw.dtype == torch.float32 else nw.float()  # exact: the kernels norm in fp32
+    args = la.GemvAddNormArgs(
+        x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
+        vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=nw, y=y, s=s, cnt=cnt, eps=eps,
+    )  # fmt: skip
+    _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
     return y, s
 
 
+def _gemv_counter(device: torch.device, w: torch.Tensor, slots: int) -> torch.Tensor | None:
+    """Weight w's `slots` block counters for its fused launches (zero between launches), or None where none can
+    be had (the pool is spent, or the kernels were never loaded outside a capture)."""
+    dev = _dev_index(device)
+    pool = _gemv_counters.get(dev)
+    if pool is None:
+        return None
+    key = (dev, w.data_ptr(), slots)
+    at = _gemv_counter_at.get(key)
+    if at is None:
+        used = _gemv_counter_used.get(dev, 0)
+        if used + slots > pool.numel():
+            return None
+        at = _gemv_counter_at[key] = used
+        _gemv_counter_used[dev] = used + slots
+    return pool[at : at + slots]
+
+
 def _gemv_main(
-    x: torch.Tensor, w: torch.Tensor, variant: str | None, out: torch.Tensor | None, partials: bool
+    x: torch.Tensor, w: torch.Tensor, variant: str | None, out: torch.Tensor
 ) -> tuple[torch.Tensor | None, int]:
     """Launch the gemv kernel of `variant` (None or unusable here: the default) for x @ w^T: into `out`, or into
-    fp32 partials [splits, M, N] (returned) when it splits K or `partials` asks for them. Returns (partials or
-    None, splits)."""
+    fp32 partials [splits, M, N] (returned) when it splits K. Returns (partials or None, splits)."""
+    m, k = x.shape
+    n = w.shape[0]
+    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else None
+    args = la.GemvArgs(
+        x=x,
+        xs=x.stride(0),
+        w=w,
+        wsr=w.stride(0),
+        out=out,
+        part=part,
+        M=m,
+        N=n,
+        K=k,
+        kchunk=kchunk,
+        vec_ok=int(_gemv_vec_ok(x, w)),
+    )
+    _launch_gemv(name, x.dtype, x.device, grid, block, args, smem)
+    return part, splits
+
+
+def _gemv_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> tuple[str, tuple, tuple, int, int, int]:
+    """(kernel name, grid, block, shared memory bytes, kchunk, splits) of `variant` for x @ w^T (None or unusable
+    here: the default)."""
     m, k = x.shape
     n = w.shape[0]
     vec_ok = _gemv_vec_ok(x, w)
@@ -1435,28 +1493,16 @@ def _gemv_main(
     kchunk, splits = _gemv_splits(k, splits)
     if family.startswith("tc"):
         ct, mt = int(family[2]), -(-m // 8)
-        name, grid = f"gemv_tc_t{mt}_c{ct}", (-(-n // (16 * ct)), splits)
-        smem = warps * 16 * ct * 8 * mt * 4
-    else:
-        c = int(family[4])
-        name, grid = f"gemv_simt_m{_gemv_bucket_rows(m)}_c{c}", (-(-n // (warps * c)), splits)
-        smem = 0
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 or partials else None
-    args = la.GemvArgs(
-        x=x,
-        xs=x.stride(0),
-        w=w,
-        wsr=w.stride(0),
-        out=out,
-        part=part,
-        M=m,
-        N=n,
-        K=k,
-        kchunk=kchunk,
-        vec_ok=int(vec_ok),
-    )
-    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem)
-    return part, splits
+        return (
+            f"gemv_tc_t{mt}_c{ct}",
+            (-(-n // (16 * ct)), splits),
+            (warps * 32,),
+            warps * 16 * ct * 8 * mt * 4,
+            kchunk,
+            splits,
+        )
+    c = int(family[4])
+    return f"gemv_simt_m{_gemv_bucket_rows(m)}_c{c}", (-(-n // (warps * c)), splits), (warps * 32,), 0, kchunk, splits
 
 
 def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
@@ -1481,8 +1527,6 @@ _KERNELS_PER_DTYPE = (
         "attn_prep_wf",
         "silu_mul",
         "gdn_gates",
-        "combine_add_rmsnorm_ws",
-        "combine_add_rmsnorm_wf",
         "mtp_prefc_ws",
         "mtp_prefc_wf",
     ]

@@ -104,12 +104,6 @@ MtpPrefcArgs = builder(
     "mtp_prefc_ws",
     "mtp_prefc_wf",
 )
-CombineAddRmsNormArgs = builder(
-    "CombineAddRmsNormArgs",
-    "ptr part, i32 S, ptr r, i64 rs, ptr w, ptr y, ptr s, i32 d, f32 eps",
-    "combine_add_rmsnorm_ws",
-    "combine_add_rmsnorm_wf",
-)
 GatedRmsNormArgs = builder(
     "GatedRmsNormArgs",
     "ptr x, i64 xs, ptr gate, i64 gs, ptr w, ptr y, i32 d, f32 eps",
@@ -204,6 +198,15 @@ GemvArgs = builder(
     "ptr x, i64 xs, ptr w, i64 wsr, ptr out, ptr part, i32 M, i32 N, i32 K, i32 kchunk, i32 vec_ok",
     *(f"gemv_simt_m{mb}_c{c}" for mb in (1, 4, 8, 17) for c in (1, 2)),
     *(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2)),
+)
+GemvAddNormArgs = builder(
+    "GemvAddNormArgs",
+    (
+        "ptr x, i64 xs, ptr w, i64 wsr, ptr part, i32 M, i32 N, i32 K, i32 kchunk, i32 vec_ok, "
+        "ptr r, i64 rs, ptr nw, ptr y, ptr s, ptr cnt, f32 eps"
+    ),
+    *(f"gemv_simt_m{mb}_c{c}_an" for mb in (1, 4, 8, 17) for c in (1, 2)),
+    *(f"gemv_tc_t{mt}_c{ct}_an" for mt in (1, 2, 3) for ct in (1, 2)),
 )
 GemvCombineArgs = builder(
     "GemvCombineArgs",

@@ -121,8 +121,7 @@ __device__ __forceinline__ scalar_t gated_out(float o, const scalar_t* __restric
 #define NORM_REG 8
 
 // The register path's second half: a row's NORM_REG values a thread holds (v, the sum s; wv, the weight) are
-// stored to s (when sr is non-null), summed over the block and normed into y. Shared by add_rmsnorm and
-// the gemv's fused combine + add + norm, so both round and sum in the same order.
+// stored to s (when sr is non-null), summed over the block and normed into y.
 __device__ __forceinline__ void norm_store_regs(const float (&v)[NORM_REG], const float (&wv)[NORM_REG],
                                                 scalar_t* __restrict__ sr, scalar_t* __restrict__ yr, int d,
                                                 float eps, float* sh) {
@@ -243,49 +242,6 @@ extern "C" __global__ void mtp_prefc_wf(const long long* tokens, const scalar_t*
                                         const float* wh, scalar_t* y, int d, float eps) {
     PDL_ENTER();
     mtp_prefc_impl<float>(tokens, embed, es, vocab, h, hs, we, wh, y, d, eps);
-}
-
-// gemv_add_rmsnorm's second half: the split-K combine of a gemv (gemv_kernels.cu wrote fp32 partials
-// part[S, M, d]) fused with add_rmsnorm of the product: x = (sum over s of part, in split order).to(dtype), as
-// gemv_combine writes it, then exactly add_rmsnorm_impl's register path (the same thread owns the same
-// elements, the same sums in the same order), so y and s equal gemv -> gemv_combine -> add_rmsnorm bit for
-// bit. Grid (M rows), block _norm_threads(d); the host guarantees d <= NORM_REG * blockDim.x.
-template <typename W>
-__device__ __forceinline__ void combine_add_rmsnorm_impl(const float* __restrict__ part, int S,
-                                                         const scalar_t* __restrict__ r, long long rs_,
-                                                         const W* __restrict__ w, scalar_t* __restrict__ y,
-                                                         scalar_t* __restrict__ s, int d, float eps) {
-    __shared__ float sh[32];
-    const long long row = blockIdx.x;
-    const long long plane = (long long)gridDim.x * d;  // one split's [M, d] partials
-    const scalar_t* rr = r + row * rs_;
-    scalar_t* sr = s + row * (long long)d;
-    scalar_t* yr = y + row * (long long)d;
-    const int nt = blockDim.x;
-    float v[NORM_REG], wv[NORM_REG];
-#pragma unroll
-    for (int k = 0; k < NORM_REG; ++k) {
-        const int i = threadIdx.x + k * nt;
-        float sum = 0.f;
-        if (i < d) {
-            for (int j = 0; j < S; ++j) sum += part[j * plane + row * d + i];
-        }
-        const float a = i < d ? rnd<scalar_t>(sum) : 0.f;  // the product, rounded once (gemv_combine)
-        v[k] = rnd<scalar_t>(a + (i < d ? to_f(rr[i]) : 0.f));  // s = x + residual (in dtype)
-        wv[k] = i < d ? to_f(w[i]) : 0.f;
-    }
-    norm_store_regs(v, wv, sr, yr, d, eps, sh);
-}
-
-extern "C" __global__ void combine_add_rmsnorm_ws(const float* part, int S, const scalar_t* r, long long rs,
-                                                  const scalar_t* w, scalar_t* y, scalar_t* s, int d, float eps) {
-    PDL_ENTER();
-    combine_add_rmsnorm_impl<scalar_t>(part, S, r, rs, w, y, s, d, eps);
-}
-extern "C" __global__ void combine_add_rmsnorm_wf(const float* part, int S, const scalar_t* r, long long rs,
-                                                  const float* w, scalar_t* y, scalar_t* s, int d, float eps) {
-    PDL_ENTER();
-    combine_add_rmsnorm_impl<float>(part, S, r, rs, w, y, s, d, eps);
 }
 
 // gated_rmsnorm: y = weight * rmsnorm_plain(x).to(dtype); out = (y * silu(gate.float())).to(dtype).

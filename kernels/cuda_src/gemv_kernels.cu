@@ -13,7 +13,16 @@
 // gemv_combine adds them in split order and rounds once (chosen over fp32 atomics: deterministic, and the
 // extra launch reads only S * M * N * 4 bytes).
 //
-// Two families, the same parameter list (kernels/launch_args.py GemvArgs):
+// Two families, the same parameter list (kernels/launch_args.py GemvArgs), each also with a fused form:
+//  ..._an   (GemvAddNormArgs) the projection whose output joins the residual stream and is normed, in one
+//           launch (op gemv_add_rmsnorm): every block stores its fp32 partials; the last split of a column tile
+//           to finish (a per-tile counter; no split: the block itself) adds the splits in split order, rounds
+//           the product once, adds the residual and rounds again (s, the new residual stream: bit for bit
+//           gemv -> add_rmsnorm); the last tile to finish (a counter for the launch) norms every row, the
+//           whole block a row: its sum of squares in a fixed order whatever M is (so a row's bits never depend
+//           on the rows beside it), then y. The counters are left at zero by the block that last counts in.
+//           (The MLP's silu_mul is not folded into the down projection's loads: every warp would work out the
+//           activation of the same x elements again, which makes the product ALU-bound past one row.)
 //  gemv_simt_m{MB}_c{C}   CUDA cores, any dtype. Each warp owns C consecutive output columns and its K range;
 //                         lanes stream the W rows with 16-byte loads (vec_ok) or scalar loads (otherwise),
 //                         read the x rows (L1/L2-resident) at the same offsets, FMA in fp32 and reduce with
@@ -141,6 +150,146 @@ __device__ __forceinline__ float gv_warp_sum(float v) {
     return v;
 }
 
+// Rounded to scalar_t and back (the value a tensor of the dtype holds).
+__device__ __forceinline__ float gv_rnd(float f) {
+#if SCALAR_KIND == 0
+    return f;
+#else
+    return gv_f(gv_out(f));
+#endif
+}
+
+// 8 (or 4 fp32) values packed into a 16-byte vector of scalar_t (the lower index in the low half).
+__device__ __forceinline__ uint4 gv_pack(const float* f) {
+    uint4 r;
+#if SCALAR_KIND == 0
+    r.x = __float_as_uint(f[0]);
+    r.y = __float_as_uint(f[1]);
+    r.z = __float_as_uint(f[2]);
+    r.w = __float_as_uint(f[3]);
+#else
+    r.x = (unsigned int)gv_out(f[0]) | ((unsigned int)gv_out(f[1]) << 16);
+    r.y = (unsigned int)gv_out(f[2]) | ((unsigned int)gv_out(f[3]) << 16);
+    r.z = (unsigned int)gv_out(f[4]) | ((unsigned int)gv_out(f[5]) << 16);
+    r.w = (unsigned int)gv_out(f[6]) | ((unsigned int)gv_out(f[7]) << 16);
+#endif
+    return r;
+}
+
+// The fused epilogue's operands (the _an kernels): residual r [M, N] at row stride rs, the norm's fp32
+// weight nw [N], outputs y = rmsnorm(s) and s = product + r ([M, N] contiguous), the launch's counters cnt
+// (one for the launch, then one per column tile; zero between launches), eps.
+struct GvEpi {
+    const scalar_t* r;
+    long long rs;
+    const float* nw;
+    scalar_t* y;
+    scalar_t* s;
+    int* cnt;
+    float eps;
+};
+
+// The sum of v over the block, in a fixed order (lanes, then warps in order); every thread gets it.
+__device__ __forceinline__ float gv_block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = gv_warp_sum(v);
+    __syncthreads();  // sh is free (an earlier call's readers are done)
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < nw; ++i) t += sh[i];
+    return t;
+}
+
+// y's vector v of a row: s * rsq * (1 + w), rounded once.
+__device__ __forceinline__ void gv_norm_store(const uint4& sv, float rsq, const float* __restrict__ nw, scalar_t* yr,
+                                              int v) {
+    float f[GV_VEC];
+    gv_unpack(sv, f);
+#pragma unroll
+    for (int j = 0; j < GV_VEC; ++j) f[j] = f[j] * rsq * (1.0f + nw[(long long)v * GV_VEC + j]);
+    *reinterpret_cast<uint4*>(yr + (long long)v * GV_VEC) = gv_pack(f);
+}
+
+// A 16-byte load that bypasses L1: data other blocks of this launch wrote.
+__device__ __forceinline__ uint4 gv_ld_cg(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float gv_sum_squares(const uint4& sv) {
+    float f[GV_VEC], ss = 0.f;
+    gv_unpack(sv, f);
+#pragma unroll
+    for (int j = 0; j < GV_VEC; ++j) ss = __fmaf_rn(f[j], f[j], ss);
+    return ss;
+}
+
+// Thread 0 counts the block in at *cnt (release: the block's stores before it; acquire: what the blocks counted
+// before it stored) and tells the block whether it was the `of`-th, the last (which leaves *cnt at zero).
+__device__ __forceinline__ bool gv_last_in(int* cnt, int of, int* flag) {
+    __syncthreads();  // the block's stores are done
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt) : "memory");
+        *flag = old == of - 1;
+        if (*flag) *cnt = 0;
+    }
+    __syncthreads();
+    return *flag;
+}
+
+// Called by every thread of every block once its split's partials of columns [nb, nb + cols) are stored.
+// Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks).
+#define GV_NORM_KEEP 4  // 16-byte vectors of a row a thread keeps in registers between the norm's two passes
+__device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int S, int M, int N, long long nb,
+                                            int cols, const GvEpi& e) {
+    __shared__ int gv_flag;
+    __shared__ float gv_sh[GV_MAX_WARPS];
+    const int tile = blockIdx.x, ntiles = gridDim.x;
+    if (S > 1 && !gv_last_in(e.cnt + 1 + tile, S, &gv_flag)) return;  // the tile's last split goes on
+    if (S == 1) __syncthreads();  // the block's own partials
+    // The tile's splits added in split order, rounded once (gemv_combine), then s = product + residual.
+    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols;
+        const long long n = nb + i % cols;
+        if (n >= N) continue;
+        float sum = 0.f;
+        for (int j = 0; j < S; ++j) sum += __ldcg(part + ((long long)j * M + m) * N + n);
+        e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + gv_f(e.r[m * e.rs + n])));
+    }
+    if (!gv_last_in(e.cnt, ntiles, &gv_flag)) return;
+    // The last tile: every row of s is complete. The whole block a row: its sum of squares (each thread's
+    // vectors in order, then gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w),
+    // add_rmsnorm's arithmetic.
+    const int nt = blockDim.x, nv = N / GV_VEC;
+    for (int m = 0; m < M; ++m) {
+        const scalar_t* sr = e.s + (long long)m * N;
+        scalar_t* yr = e.y + (long long)m * N;
+        uint4 keep[GV_NORM_KEEP];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i) {
+            const int v = threadIdx.x + i * nt;
+            if (v < nv) keep[i] = gv_ld_cg(sr + (long long)v * GV_VEC);
+        }
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i)
+            if (threadIdx.x + i * nt < nv) ss += gv_sum_squares(keep[i]);
+        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+            ss += gv_sum_squares(gv_ld_cg(sr + (long long)v * GV_VEC));
+        const float rsq = rsqrtf(gv_block_sum(ss, gv_sh) / (float)N + e.eps);
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i) {
+            const int v = threadIdx.x + i * nt;
+            if (v < nv) gv_norm_store(keep[i], rsq, e.nw, yr, v);
+        }
+        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+            gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, e.nw, yr, v);
+    }
+}
+
 // One output: rounded into out, or an fp32 partial of split s.
 __device__ __forceinline__ void gv_store(scalar_t* __restrict__ out, float* __restrict__ part, int s, int M, int N,
                                          int m, long long n, float v) {
@@ -153,15 +302,14 @@ __device__ __forceinline__ void gv_store(scalar_t* __restrict__ out, float* __re
 // ---- CUDA-core kernel ----------------------------------------------------------------------------------
 // grid (ceil(N / (warps * C)), S), block warps * 32. Split s covers k in [s * kchunk, min(K, (s+1) * kchunk)),
 // kchunk a multiple of 64. vec_ok: x, W, their row strides and K allow 16-byte vectors.
+// The warp's C columns from n0 (< N).
 template <int MB, int C>
-__device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
-                                        long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                        int N, int K, int kchunk, int vec_ok) {
+__device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
+                                             const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
+                                             float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
+                                             long long n0) {
     constexpr int U = C == 1 ? 4 : 2;  // 16-byte W loads in flight per lane: U * C = 4
     const int lane = threadIdx.x & 31;
-    const int nw = blockDim.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * nw + (threadIdx.x >> 5)) * C;
-    if (n0 >= N) return;  // the whole warp: nothing below synchronises the block
     const int s = blockIdx.y;
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
@@ -247,12 +395,32 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
     }
 }
 
+// EPI: the fused add + norm after the product (gv_add_norm; part given, out unused).
+template <int MB, int C, bool EPI>
+__device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
+                                        long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
+                                        int N, int K, int kchunk, int vec_ok, const GvEpi& epi) {
+    const int nw = blockDim.x >> 5;
+    const long long n0 = ((long long)blockIdx.x * nw + (threadIdx.x >> 5)) * C;
+    if (n0 < N) gv_simt_cols<MB, C>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0);
+    if (EPI) gv_add_norm(part, gridDim.y, M, N, (long long)blockIdx.x * nw * C, nw * C, epi);
+}
+
 #define GEMV_SIMT(GV_MB, GV_C)                                                                                    \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32)                                              \
         gemv_simt_m##GV_MB##_c##GV_C(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, \
                                      long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,   \
                                      int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                      \
-        gv_simt<GV_MB, GV_C>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok);                                  \
+        gv_simt<GV_MB, GV_C, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, GvEpi{});           \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_an(             \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok, const scalar_t* __restrict__ r,     \
+        long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
+        int* __restrict__ cnt, float eps) {                   \
+        PDL_ENTER();                                                                                              \
+        gv_simt<GV_MB, GV_C, true>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                  \
+                                          GvEpi{r, rs, nw, y, s, cnt, eps});                                      \
     }
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
@@ -296,10 +464,10 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // so the mma's k-slots (2t, 2t+1 | 2t+8, 2t+9) of thread t are elements 16t + 8v + 4p + (0, 1 | 2, 3) for both
 // operands; over t, v and p the 4 mmas of a step cover its 64 elements once. Accumulator c_i of thread (g, t):
 // output column 16 ct + g + 8 (i >= 2), x row 8 j + 2 t + (i & 1).
-template <int MT, int CT>
+template <int MT, int CT, bool EPI>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk) {
+                                      int N, int K, int kchunk, const GvEpi& epi) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = CT == 1 ? 2 : 1;  // K steps in flight per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
@@ -397,6 +565,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         for (int wi = 0; wi < nw; ++wi) sum += gv_red[wi * RW + m * (16 * CT) + nl];
         gv_store(out, part, s, M, N, m, n, sum);
     }
+    if (EPI) gv_add_norm(part, gridDim.y, M, N, nb, 16 * CT, epi);
 #else
     __trap();  // never launched: kernels/cuda.py uses these for bf16/fp16 on sm_80+ only
 #endif
@@ -408,7 +577,17 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
                                     long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,    \
                                     int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                       \
         (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT>(x, xs, w, wsr, out, part, M, N, K, kchunk);                                           \
+        gv_tc<GV_MT, GV_CT, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, GvEpi{});                    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_an(              \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok, const scalar_t* __restrict__ r,     \
+        long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
+        int* __restrict__ cnt, float eps) {                   \
+        PDL_ENTER();                                                                                              \
+        (void)vec_ok;                                                                                             \
+        gv_tc<GV_MT, GV_CT, true>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk,                           \
+                                         GvEpi{r, rs, nw, y, s, cnt, eps});                                       \
     }
 GEMV_TC(1, 1)
 GEMV_TC(2, 1)
