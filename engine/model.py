@@ -236,14 +236,15 @@ class Model:
         qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        if recurrent:  # decode and verify: the gates worked out inside the rule's kernel (one launch, not two)
-            o = ops.gated_delta_rule_ab(
-                q, k, v, a, b, w[p + "neg_exp_A"], w[p + "dt_bias"], state.delta_planes[i], start
-            )
-        else:
-            g, beta = ops.gdn_gates(a, b, w[p + "neg_exp_A"], w[p + "dt_bias"])
-            o = ops.chunk_gated_delta_rule(q, k, v, g, beta, state.delta_planes[i], start)
         # up to the output projection (which proj_add_norm makes)
+        if recurrent:  # decode and verify: the gates and the output norm inside the rule's kernel (one launch)
+            o = ops.gated_delta_rule_ab_norm(
+                q, k, v, a, b, w[p + "neg_exp_A"], w[p + "dt_bias"], state.delta_planes[i], start,
+                z, w[p + "norm.weight"], cfg.rms_norm_eps,
+            )  # fmt: skip
+            return o.reshape(t, hv * dv)
+        g, beta = ops.gdn_gates(a, b, w[p + "neg_exp_A"], w[p + "dt_bias"])
+        o = ops.chunk_gated_delta_rule(q, k, v, g, beta, state.delta_planes[i], start)
         return ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps).reshape(t, hv * dv)
 
     # ---- target -----------------------------------------------------------------------------

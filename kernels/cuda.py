@@ -221,6 +221,41 @@ def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64
     return _NULL, np.int64(int(start))
 
 
+# Block counters of the kernels whose last block to finish does the launch's final step (the fused gemv + add +
+# norm, the delta rule + gated norm): int32, zero between launches (each launch's last block leaves its counters
+# at zero, so captured plans replay with no reset). One pool a device, made outside any capture (warm_up,
+# gemv_kernels; inside a capture it would only be recorded); a weight keeps its counters for the process (the
+# same weight is never used on two streams at once).
+_COUNTER_POOL = 1 << 20
+_counter_pools: dict[int, torch.Tensor] = {}  # device -> the pool
+_counter_at: dict[tuple, int] = {}  # (device, key, slots) -> offset in the pool
+_counter_used: dict[int, int] = {}  # device -> counters handed out
+
+
+def _counter_pool(device: torch.device) -> None:
+    dev = _dev_index(device)
+    if dev not in _counter_pools and not torch.cuda.is_current_stream_capturing():
+        _counter_pools[dev] = torch.zeros(_COUNTER_POOL, dtype=torch.int32, device=torch.device("cuda", dev))
+
+
+def _counters(device: torch.device, key: tuple, slots: int) -> torch.Tensor | None:
+    """The `slots` counters of `key` (a kernel family and a weight's address), or None where none can be had
+    (the pool is spent, or it was never made outside a capture): the caller then takes its unfused form."""
+    dev = _dev_index(device)
+    pool = _counter_pools.get(dev)
+    if pool is None:
+        return None
+    full = (dev, key, slots)
+    at = _counter_at.get(full)
+    if at is None:
+        used = _counter_used.get(dev, 0)
+        if used + slots > pool.numel():
+            return None
+        at = _counter_at[full] = used
+        _counter_used[dev] = used + slots
+    return pool[at : at + slots]
+
+
 def _fallback(op: str, first: torch.Tensor):
     """The reference of `op`, for a call the kernel does not take; counted and reported once per op
     (kernels/registry.py) when the call was meant for a GPU. CPU tensors take the reference by design."""
@@ -808,8 +843,17 @@ def gated_delta_rule_ab(
     state_ring: torch.Tensor,
     start: Start,
 ) -> torch.Tensor:
+    if not _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring):
+        return _fallback("gated_delta_rule_ab", q)(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
+    return _gdr_launch(
+        "gdr_dk{dk}_ab", la.GatedDeltaRuleAbArgs, q, k, v, state_ring, start, _raw_gates(a, b, neg_exp_a, dt_bias)
+    )
+
+
+def _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring) -> bool:
+    """Whether the raw-gate rule's kernel takes these operands."""
     t, hv = q.shape[0], v.shape[1]
-    if not (
+    return (
         _cuda_ok(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
         and _gdr_fits(q, k, v, state_ring)
         and a.dtype == b.dtype == v.dtype
@@ -817,12 +861,53 @@ def gated_delta_rule_ab(
         and neg_exp_a.dtype == torch.float32
         and neg_exp_a.numel() == hv
         and dt_bias.numel() == hv
-    ):
-        return _fallback("gated_delta_rule_ab", q)(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
+    )
+
+
+def _raw_gates(a, b, neg_exp_a, dt_bias) -> dict:
+    hv = a.shape[-1]
     a2, b2 = _rows(a, hv), _rows(b, hv)
     gates = {"a": a2, "as0": a2.stride(0), "b": b2, "bs0": b2.stride(0)}
-    gates |= {"neg_exp_a": neg_exp_a.contiguous(), "dt_bias": dt_bias.float().contiguous()}
-    return _gdr_launch("gdr_dk{dk}_ab", la.GatedDeltaRuleAbArgs, q, k, v, state_ring, start, gates)
+    return gates | {"neg_exp_a": neg_exp_a.contiguous(), "dt_bias": dt_bias.float().contiguous()}
+
+
+def gated_delta_rule_ab_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """One launch: the rule's kernel whose last block per head norms that head's rows (gated_rmsnorm with an
+    fp32 weight and a gate of the activation dtype; within a rounding of that kernel's, each row alike whatever
+    T is). Other weights and gates, or no counters (first call inside a capture), take the two kernels."""
+    t, hv, dv = v.shape
+    cnt = _counters(v.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(v) else None
+    if not (
+        cnt is not None
+        and _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
+        and _cuda_ok(z, weight)
+        and z.dtype == v.dtype
+        and z.shape == (t, hv, dv)
+        and z.stride(2) == 1
+        and z.stride(1) == dv
+        and weight.dtype == torch.float32
+        and weight.numel() == dv
+    ):  # the two kernels (each takes its reference where it must)
+        o = gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
+        return gated_rmsnorm(o, z, weight, eps)
+    y = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    extra = _raw_gates(a, b, neg_exp_a, dt_bias)
+    extra |= {"z": z, "zs0": z.stride(0), "nw": weight.contiguous(), "y": y, "cnt": cnt, "eps": eps}
+    _gdr_launch("gdr_dk{dk}_abn", la.GatedDeltaRuleAbNormArgs, q, k, v, state_ring, start, extra)
+    return y
 
 
 _AM_THREADS = 1024
@@ -1197,13 +1282,7 @@ _GEMV_SRC = Path(__file__).resolve().parent / "cuda_src" / "gemv_kernels.cu"
 _GEMV_SIMT_ROWS = (1, 4, 8, 17)  # the row buckets of the CUDA-core kernels (MB: accumulators per column)
 _GEMV_SIMT = tuple(f"gemv_simt_m{mb}_c{c}" for mb in _GEMV_SIMT_ROWS for c in (1, 2))
 _GEMV_TC = tuple(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2))
-# The fused projection + residual add + norm (gemv_add_rmsnorm): every kernel above with its "_an" form. A
-# launch counts its blocks in device int32 counters (from a pool) that its last blocks leave at zero; a weight
-# keeps its counters for the process (the same weight is never multiplied on two streams at once).
-_GEMV_COUNTERS = 1 << 20
-_gemv_counters: dict[int, torch.Tensor] = {}  # device -> the pool
-_gemv_counter_at: dict[tuple[int, int, int], int] = {}  # (device, weight pointer, slots) -> offset in the pool
-_gemv_counter_used: dict[int, int] = {}  # device -> counters handed out
+# The fused projection + residual add + norm (gemv_add_rmsnorm): every kernel above with its "_an" form.
 _GEMV_STEP = 64  # K elements of one tensor-core step; every K split is a multiple of it
 _GEMV_WARPS_PER_SM = 12  # warps the default launch aims for (a memory stream needs many loads in flight)
 _ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -1277,8 +1356,7 @@ def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[
             _gemv_failed[(dev, kind)] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
             warnings.warn(f"SpecDeck gemv kernels unavailable ({_gemv_failed[(dev, kind)]})", stacklevel=2)
             return False, _gemv_failed[(dev, kind)]
-        if dev not in _gemv_counters:  # made here, outside any capture (a capture would only record the memset)
-            _gemv_counters[dev] = torch.zeros(_GEMV_COUNTERS, dtype=torch.int32, device=device)
+        _counter_pool(device)
         _gemv_ready.add((dev, kind))
     family = "tensor-core and CUDA-core" if _tensor_cores(dtype, device) else "CUDA-core"
     return True, f"{family} gemv kernels loaded"
@@ -1418,7 +1496,7 @@ def gemv_add_rmsnorm(
     ):
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
     name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
-    cnt = _gemv_counter(x.device, w, grid[0] + 1)
+    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 1)
     if cnt is None:
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
@@ -1432,24 +1510,6 @@ def gemv_add_rmsnorm(
     )  # fmt: skip
     _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
     return y, s
-
-
-def _gemv_counter(device: torch.device, w: torch.Tensor, slots: int) -> torch.Tensor | None:
-    """Weight w's `slots` block counters for its fused launches (zero between launches), or None where none can
-    be had (the pool is spent, or the kernels were never loaded outside a capture)."""
-    dev = _dev_index(device)
-    pool = _gemv_counters.get(dev)
-    if pool is None:
-        return None
-    key = (dev, w.data_ptr(), slots)
-    at = _gemv_counter_at.get(key)
-    if at is None:
-        used = _gemv_counter_used.get(dev, 0)
-        if used + slots > pool.numel():
-            return None
-        at = _gemv_counter_at[key] = used
-        _gemv_counter_used[dev] = used + slots
-    return pool[at : at + slots]
 
 
 def _gemv_main(
@@ -1536,6 +1596,7 @@ _KERNELS_PER_DTYPE = (
     + [f"conv_update_k{k}_w{a}" for k in range(2, 9) for a in "sf"]
     + [f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"]
     + [f"gdr_dk{d}_ab" for d in (16, 32, 64, 128)]
+    + [f"gdr_dk{d}_abn" for d in (16, 32, 64, 128)]
 )
 
 
@@ -1556,6 +1617,7 @@ def warm_up(device: torch.device | str | int, dtype: torch.dtype) -> None:
         _function(dev, kind, name)
     _sampling_ready(device)  # compiled and loaded here, or reported once and left to the references
     gemv_kernels(device, dtype)  # the same: a failure leaves the products to cuBLAS / the reference
+    _counter_pool(device)
     _sms(device)
     with torch.cuda.device(device):
         _exercise(device, dtype)

@@ -156,6 +156,15 @@ GatedDeltaRuleAbArgs = builder(
     ),
     *(f"gdr_dk{d}_ab" for d in (16, 32, 64, 128)),
 )
+GatedDeltaRuleAbNormArgs = builder(
+    "GatedDeltaRuleAbNormArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr k, i64 ks0, i64 ks1, ptr v, i64 vs0, i64 vs1, ptr a, i64 as0, ptr b, "
+        "i64 bs0, ptr neg_exp_a, ptr dt_bias, ptr ring, ptr out, ptr sp, i64 sv, i32 T, i32 Hk, i32 Hv, i32 dk, "
+        "i32 dv, i32 n_planes, f32 qscale, ptr z, i64 zs0, ptr nw, ptr y, ptr cnt, f32 eps"
+    ),
+    *(f"gdr_dk{d}_abn" for d in (16, 32, 64, 128)),
+)
 SiluMulArgs = builder(
     "SiluMulArgs",
     "ptr x, i64 xs, ptr y, i32 T, i32 I",

@@ -27,6 +27,7 @@ gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
 gated_delta_rule_ab = reference.gated_delta_rule_ab
+gated_delta_rule_ab_norm = reference.gated_delta_rule_ab_norm
 
 _cuda_enabled = False
 

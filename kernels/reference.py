@@ -229,6 +229,27 @@ def gated_delta_rule_ab(
     return gated_delta_rule(q, k, v, g, beta, state_ring, start)
 
 
+def gated_delta_rule_ab_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The delta-net's recurrent rule and its output norm: gated_rmsnorm(gated_delta_rule_ab(q, k, v, a, b,
+    neg_exp_a, dt_bias, state_ring, start), z, weight, eps). z [T, Hv, dv] (the projection's gate columns);
+    the decode path's form, one launch on a GPU where the two ops were two."""
+    o = gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
+    return gated_rmsnorm(o, z, weight, eps)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -38,6 +38,7 @@ NAMES = (
     "gemv_add_rmsnorm",
     "mtp_prefc",
     "gated_delta_rule_ab",
+    "gated_delta_rule_ab_norm",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

@@ -391,6 +391,57 @@ def test_gated_delta_rule_ab(kc, dtype, hk, hv, dk, dv, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv", GDR_SHAPES)
+@pytest.mark.parametrize("t", [1, 9])
+def test_gated_delta_rule_ab_norm(kc, dtype, hk, hv, dk, dv, t):
+    """The rule and the delta-net's output norm in one launch: the planes bit for bit the rule's, the normed
+    rows within a rounding of gated_delta_rule_ab -> gated_rmsnorm on the GPU (a block's own sum order) and
+    close to the reference; the first token's row the same bits whatever T is; a captured launch replayed with
+    new inputs equal to eager calls (its per-head counters are left at zero)."""
+    torch.manual_seed(hk * hv + dk + dv + t + 1)
+    n_planes, start = 18, torch.tensor([7], device=CUDA)
+    q, k, v, _, _, state0 = _gdr_inputs(t, hk, hv, dk, dv, dtype, n_planes)
+    packed = rnd(t, 2 * hv + hv * dv + 8, dtype=dtype, scale=3.0)  # the projection's b | a | z columns, strided
+    b, a = packed[:, :hv], packed[:, hv : 2 * hv]
+    z = packed[:, 2 * hv : 2 * hv + hv * dv].reshape(t, hv, dv)
+    neg_exp_a = -torch.rand(hv, device=CUDA).mul(2).add(0.05)
+    dt_bias, weight = rnd(hv, scale=4.0), rnd(dv, scale=1.0) + 1.0
+    before = kc.registry.fallbacks().get("gated_delta_rule_ab_norm", 0)
+    ring = state0.clone()
+    y = kc.gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, ring, start, z, weight, 1e-6)
+    two = state0.clone()
+    want = kc.gated_rmsnorm(kc.gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, two, start), z, weight, 1e-6)
+    assert torch.equal(ring, two)
+    eps = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+    assert bool(((y.float() - want.float()).abs() <= want.float().abs() * eps + torch.finfo(dtype).tiny).all())
+    rring = state0.clone()
+    close(y, ref.gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, rring, 7, z, weight, 1e-6), "ab norm")
+    one = kc.gated_delta_rule_ab_norm(
+        q[:1], k[:1], v[:1], a[:1], b[:1], neg_exp_a, dt_bias, state0.clone(), start, z[:1], weight, 1e-6
+    )
+    assert torch.equal(one[0], y[0])
+    assert kc.registry.fallbacks().get("gated_delta_rule_ab_norm", 0) == before
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    ring_in, q_in = state0.clone(), q.clone()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y_out = kc.gated_delta_rule_ab_norm(q_in, k, v, a, b, neg_exp_a, dt_bias, ring_in, start, z, weight, 1e-6)
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (0.5, 2.0, 1.0):
+        q_in.copy_(q * scale)
+        ring_in.copy_(state0)
+        graph.replay()
+        want = kc.gated_delta_rule_ab_norm(
+            q * scale, k, v, a, b, neg_exp_a, dt_bias, state0.clone(), start, z, weight, 1e-6
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(y_out, want), scale
+
+
+@pytest.mark.gpu
 def test_gated_delta_rule_refuses_too_few_planes(kc):
     q, k, v, g, beta, state = _gdr_inputs(4, 2, 4, 16, 8, torch.float32, 4)
     with pytest.raises(ValueError):

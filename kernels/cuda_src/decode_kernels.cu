@@ -1217,7 +1217,50 @@ __device__ __forceinline__ float gdn_log_decay(float a, float dt_bias, float neg
 }
 __device__ __forceinline__ scalar_t gdn_beta(float b) { return from_f<scalar_t>(1.0f / (1.0f + expf(-b))); }
 
-template <int DK, typename BT, bool RAW>
+// NORM (the gdr_dk*_abn kernels, op gated_delta_rule_ab_norm): the delta-net's output norm after the rule, in
+// the same launch. Each block counts itself in at its head's counter once its columns of every token are
+// stored; the head's last block (which leaves the counter at zero) norms the head's rows as gated_rmsnorm does
+// with an fp32 weight and a gate of the activation dtype: y = (w * rmsnorm(out).to(dtype)) * silu(z), the sum
+// of squares over the block in a fixed order whatever T is.
+struct GdrNorm {
+    const scalar_t* z;  // the gate rows [T, Hv, dv] at row stride zs0 (heads and columns contiguous)
+    long long zs0;
+    const float* w;     // [dv]
+    scalar_t* y;        // [T, Hv, dv]
+    int* cnt;           // [Hv], zero between launches
+    float eps;
+};
+
+__device__ __forceinline__ void gdr_norm_tail(const scalar_t* out, int T, int Hv, int dv, int h, const GdrNorm& nm) {
+    __shared__ int last;
+    __shared__ float sh[32];
+    __syncthreads();  // the block's columns of every token are stored
+    if (threadIdx.x == 0) {
+        int old;  // release: this block's stores; acquire: the head's other blocks'
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(nm.cnt + h) : "memory");
+        last = old == (int)gridDim.x - 1;
+        if (last) nm.cnt[h] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    for (int t = 0; t < T; ++t) {
+        const scalar_t* orow = out + ((long long)t * Hv + h) * dv;
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+            const float o = to_f(__ldcg(orow + c));
+            ss += o * o;
+        }
+        const float rs = rsqrtf(block_sum(ss, sh) / (float)dv + nm.eps);
+        const scalar_t* zr = nm.z + t * nm.zs0 + (long long)h * dv;
+        scalar_t* yr = nm.y + ((long long)t * Hv + h) * dv;
+        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+            const float n = rnd<scalar_t>(to_f(__ldcg(orow + c)) * rs);  // rmsnorm(out).to(dtype)
+            yr[c] = from_f<scalar_t>(nm.w[c] * n * silu_f(to_f(zr[c])));  // fp32 weight: no rounding between
+        }
+    }
+}
+
+template <int DK, typename BT, bool RAW, bool NORM>
 __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                          const scalar_t* __restrict__ k, long long ks0, long long ks1,
                                          const scalar_t* __restrict__ v, long long vs0, long long vs1,
@@ -1225,7 +1268,8 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                                          long long bs0, const float* __restrict__ neg_exp_a,
                                          const float* __restrict__ dt_bias, float* __restrict__ ring,
                                          scalar_t* __restrict__ out, const long long* start_ptr, long long start_val,
-                                         int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale) {
+                                         int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale,
+                                         const GdrNorm& nm) {
     constexpr int NS = DK >= 32 ? DK / 32 : 1;
     constexpr int ROWS = DK / NS;
     constexpr int EPL = (DK + 31) / 32;
@@ -1334,6 +1378,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
             }
         }
     }
+    if (NORM) gdr_norm_tail(out, T, Hv, dv, h, nm);
 }
 
 #define GDR(DK)                                                                                              \
@@ -1343,8 +1388,9 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long gs0, const scalar_t* beta, long long bs0, float* ring, scalar_t* out,      \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
-        gdr_impl<DK, scalar_t, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr,     \
-                                      nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);      \
+        gdr_impl<DK, scalar_t, false, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0,       \
+                                             nullptr, nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv,         \
+                                             n_planes, qscale, GdrNorm{});                                   \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_bf(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1352,8 +1398,9 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         long long gs0, const float* beta, long long bs0, float* ring, scalar_t* out,         \
                         const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,            \
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
-        gdr_impl<DK, float, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr,        \
-                                   nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);         \
+        gdr_impl<DK, float, false, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr, \
+                                          nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale,   \
+                                          GdrNorm{});                                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_ab(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1362,8 +1409,22 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         const float* dt_bias, float* ring, scalar_t* out, const long long* sp, long long sv, \
                         int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale) {                 \
         PDL_ENTER();                                                                                         \
-        gdr_impl<DK, scalar_t, true>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0, neg_exp_a,       \
-                                     dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale);       \
+        gdr_impl<DK, scalar_t, true, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0,           \
+                                            neg_exp_a, dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv,        \
+                                            n_planes, qscale, GdrNorm{});                                    \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
+        gdr_dk##DK##_abn(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,  \
+                         long long ks1, const scalar_t* v, long long vs0, long long vs1, const scalar_t* a,  \
+                         long long as0, const scalar_t* b, long long bs0, const float* neg_exp_a,            \
+                         const float* dt_bias, float* ring, scalar_t* out, const long long* sp,              \
+                         long long sv, int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale,    \
+                         const scalar_t* z, long long zs0, const float* nw, scalar_t* y, int* cnt,           \
+                         float eps) {                                                                        \
+        PDL_ENTER();                                                                                         \
+        gdr_impl<DK, scalar_t, true, true>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0, neg_exp_a, \
+                                           dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale,  \
+                                           GdrNorm{z, zs0, nw, y, cnt, eps});                                \
     }
 GDR(16)
 GDR(32)
