@@ -223,8 +223,8 @@ def _start_args(start: Start, device: torch.device) -> tuple[np.uint64, np.int64
 
 # Block counters of the kernels whose last block to finish does the launch's final step (the fused gemv + add +
 # norm, the delta rule + gated norm): int32, zero between launches (each launch's last block leaves its counters
-# at zero, so captured plans replay with no reset). One pool a device, made outside any capture (warm_up,
-# gemv_kernels; inside a capture it would only be recorded); a weight keeps its counters for the process (the
+# at zero, so captured plans replay with no reset). One pool a device, made at the first eager use (warm_up,
+# gemv_kernels, or a fused op called outside a capture; inside one it would only be recorded); a weight keeps its counters for the process (the
 # same weight is never used on two streams at once).
 _COUNTER_POOL = 1 << 20
 _counter_pools: dict[int, torch.Tensor] = {}  # device -> the pool
@@ -242,6 +242,8 @@ def _counters(device: torch.device, key: tuple, slots: int) -> torch.Tensor | No
     """The `slots` counters of `key` (a kernel family and a weight's address), or None where none can be had
     (the pool is spent, or it was never made outside a capture): the caller then takes its unfused form."""
     dev = _dev_index(device)
+    if dev not in _counter_pools:
+        _counter_pool(device)  # an eager call (a plan's first round runs eagerly before its capture)
     pool = _counter_pools.get(dev)
     if pool is None:
         return None
