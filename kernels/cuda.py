@@ -1481,10 +1481,11 @@ def gemv_add_rmsnorm(
     eps: float,
     variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch: the gemv kernel's "_an" form, whose last block adds the K splits and the residual (s, bit for
-    bit gemv -> add_rmsnorm) and norms each row (y; its sum of squares in a fixed order of its own, so a row's y
-    never depends on the rows beside it; within a rounding of add_rmsnorm's). Needs N a whole number of
-    16-byte vectors, and the kernels loaded before any capture (gemv_kernels: the counters are made there)."""
+    """One launch: the gemv kernel's "_an" form, whose last split of each column tile adds the K splits and the
+    residual (s, bit for bit gemv -> add_rmsnorm) and whose last tile norms each row (y; its sum of squares in a
+    fixed order of its own, so a row's y never depends on the rows beside it; within a rounding of
+    add_rmsnorm's). Needs N a whole number of 16-byte vectors, and one eager call before a capture (the
+    counters are made then); otherwise the reference."""
     m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
     if (
         not gemv_takes(x, w)
