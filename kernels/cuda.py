@@ -1332,8 +1332,10 @@ def _tensor_cores(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
-    plain = (*_GEMV_SIMT, *(_GEMV_TC if _tensor_cores(dtype, device) else ()))
-    return (*plain, "gemv_combine", *(f"{name}_an" for name in plain))
+    tc = _GEMV_TC if _tensor_cores(dtype, device) else ()
+    plain = (*_GEMV_SIMT, *tc)
+    silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
+    return (*plain, "gemv_combine", *(f"{name}_an" for name in plain), *silu)
 
 
 def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -1513,6 +1515,37 @@ def gemv_add_rmsnorm(
     )  # fmt: skip
     _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
     return y, s
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """silu_mul(gemv(x, w, variant)) for the MLP's packed gate|up weight [2 I, K]: one launch (the kernel's "_sm"
+    form: each output column's gate and up rows in one warp or tile, silu_mul's arithmetic on the two rounded
+    sums, so the result is bit for bit the two launches' of a variant without K splits). A variant that splits
+    K (or a simt1 one, whose sums are simt2's) keeps its product and adds silu_mul's launch; a shape the kernels
+    do not take is the reference."""
+    if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0] or w.shape[0] % 2:
+        return _fallback("gemv_silu_mul", x)(x, w, variant)
+    m, k = x.shape
+    i = w.shape[0] // 2
+    vec_ok = _gemv_vec_ok(x, w)  # the up half starts I rows on: aligned with the rows
+    parsed = registry.parse_gemv_variant(variant) if variant is not None else None
+    if variant is not None and parsed is None:
+        raise ValueError(f"unknown gemv variant {variant!r}")
+    if parsed is None or (parsed[0].startswith("tc") and not (vec_ok and _tensor_cores(x.dtype, x.device))):
+        parsed = registry.parse_gemv_variant(gemv_default(m, 2 * i, k, x.dtype, x.device, vec_ok))
+    family, warps, splits = parsed
+    if _gemv_splits(k, splits)[1] > 1:
+        return silu_mul(gemv(x, w, variant))
+    out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+    if family.startswith("tc"):
+        ct = int(family[2])
+        name, grid = f"gemv_tc_t{-(-m // 8)}_c{ct}_sm", (-(-i // (8 * ct)),)
+        smem = warps * 16 * ct * 8 * (-(-m // 8)) * 4
+    else:  # simt1 and simt2 sum a column alike (vectors in the same order): the two-row form serves both
+        name, grid, smem = f"gemv_simt_m{_gemv_bucket_rows(m)}_c2_sm", (-(-i // warps),), 0
+    args = la.GemvSiluArgs(x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, M=m, N=i, K=k, vec_ok=int(vec_ok))
+    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem)
+    return out
 
 
 def _gemv_main(

@@ -217,6 +217,12 @@ GemvAddNormArgs = builder(
     *(f"gemv_simt_m{mb}_c{c}_an" for mb in (1, 4, 8, 17) for c in (1, 2)),
     *(f"gemv_tc_t{mt}_c{ct}_an" for mt in (1, 2, 3) for ct in (1, 2)),
 )
+GemvSiluArgs = builder(
+    "GemvSiluArgs",
+    "ptr x, i64 xs, ptr w, i64 wsr, ptr out, i32 M, i32 N, i32 K, i32 vec_ok",
+    *(f"gemv_simt_m{mb}_c2_sm" for mb in (1, 4, 8, 17)),
+    *(f"gemv_tc_t{mt}_c{ct}_sm" for mt in (1, 2, 3) for ct in (1, 2)),
+)
 GemvCombineArgs = builder(
     "GemvCombineArgs",
     "ptr part, ptr out, i32 S, i32 MN",

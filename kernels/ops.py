@@ -25,6 +25,7 @@ spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
+gemv_silu_mul = reference.gemv_silu_mul
 mtp_prefc = reference.mtp_prefc
 gated_delta_rule_ab = reference.gated_delta_rule_ab
 gated_delta_rule_ab_norm = reference.gated_delta_rule_ab_norm

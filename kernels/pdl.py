@@ -11,8 +11,13 @@ scheduled, never what they compute. A kernel launched without the attribute pass
 CuPy launches through `cuLaunchKernel`, which takes no attributes; this module calls the driver's
 `cuLaunchKernelEx` through ctypes with the loaded kernel's CUfunction. It is used while a plan (CUDA graph) is
 being captured, where the attribute becomes a programmatic edge of the graph and the ctypes cost is paid once;
-eager launches keep CuPy's faster path. Off by default: `kernels.cuda.set_pdl(True)` (bench/gpu_bench.py's
-section `pdl` measures both in one run). Needs no GPU to import.
+eager launches keep CuPy's faster path. The engine turns it on for every model on an sm_90+ GPU
+(engine/model.py PDL_DEFAULT; the model option "pdl" turns it off); `kernels.cuda.set_pdl` is the switch
+(bench/gpu_bench.py's section `pdl` measures both in one run). Needs no GPU to import.
+
+The gemv products (cuda_src/gemv_kernels.cu) are the one exception to "nothing before the wait": they issue
+their first weight loads between PDL_TRIGGER() and PDL_WAIT(), since no kernel of a decode step writes a
+weight; with the attribute those loads are in flight while the kernel before drains.
 """
 
 from __future__ import annotations

@@ -343,6 +343,12 @@ def gemv_add_rmsnorm(
     return add_rmsnorm(gemv(x, w, variant), residual, weight, eps)
 
 
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """The MLP's product and activation: silu_mul(gemv(x, w)) for the packed gate|up weight w [2 I, K] -> [M, I].
+    The CUDA form makes both in one launch."""
+    return silu_mul(gemv(x, w, variant))
+
+
 def argmax_prob(
     logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

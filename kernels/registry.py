@@ -36,6 +36,7 @@ NAMES = (
     "synthetic_accept",
     "gemv",
     "gemv_add_rmsnorm",
+    "gemv_silu_mul",
     "mtp_prefc",
     "gated_delta_rule_ab",
     "gated_delta_rule_ab_norm",

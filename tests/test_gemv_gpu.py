@@ -254,3 +254,47 @@ def test_gemv_add_rmsnorm_takes_the_reference_where_rows_are_not_whole_vectors(k
     want_y, want_s = ref.gemv_add_rmsnorm(x, w, r, nw, 1e-6)
     assert torch.equal(y, want_y) and torch.equal(s, want_s)
     assert kc.registry.fallbacks().get("gemv_add_rmsnorm", 0) == before + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(24576, 4096), (2048, 1024), (74, 136), (16, 64)])
+def test_gemv_silu_mul_one_launch(kc, dtype, n, k):
+    """The MLP's gate|up product and its activation in one launch (the "_sm" form): for every launch variant and
+    row count, bit for bit the variant's product followed by silu_mul (the same sums: a variant that splits K
+    keeps the two launches), and close to the reference; never a fallback. (74, 136): an output width that is
+    not a whole tile and a K that is not a whole tensor-core step."""
+    w = weight(n, k, dtype)
+    before = kc.registry.fallbacks().get("gemv_silu_mul", 0)
+    for m in (1, 2, 6, 9, 17):
+        x = rows(m, k, dtype, seed=m)
+        want = ref.gemv_silu_mul(x, w)
+        variants = every_variant(kc, m, n, k, dtype) if m in (1, 6, 17) else [None]
+        for variant in variants:
+            label = f"{m}x{k} @ {n}x{k} {dtype} {variant}"
+            got = kc.gemv_silu_mul(x, w, variant)
+            assert got.shape == (m, n // 2), label
+            assert torch.equal(got, kc.silu_mul(kc.gemv(x, w, variant))), label
+            close(got, want, label)
+    assert kc.registry.fallbacks().get("gemv_silu_mul", 0) == before
+
+
+def test_gemv_silu_mul_unaligned_and_in_a_graph(kc):
+    """Scalar loads (x one element off 16 bytes) give the two-launch bits too, and a captured fused launch
+    replayed on new inputs gives what an eager call gives."""
+    n, k, dtype = 2048, 1024, torch.bfloat16
+    w = weight(n, k, dtype)
+    wide = rows(3, k + 8, dtype, seed=5)
+    x = wide[:, 1 : 1 + k]
+    for variant in (None, "simt2.w4.s1", "tc1.w8.s1"):
+        assert torch.equal(kc.gemv_silu_mul(x, w, variant), kc.silu_mul(kc.gemv(x, w, variant))), variant
+    x_in = rows(6, k, dtype, seed=6)
+    kc.gemv_silu_mul(x_in, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kc.gemv_silu_mul(x_in, w)
+    for seed in (7, 8):
+        x_in.copy_(rows(6, k, dtype, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, kc.gemv_silu_mul(x_in.clone(), w)), seed

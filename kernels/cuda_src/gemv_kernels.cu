@@ -23,6 +23,10 @@
 //           on the rows beside it), then y. The counters are left at zero by the block that last counts in.
 //           (The MLP's silu_mul is not folded into the down projection's loads: every warp would work out the
 //           activation of the same x elements again, which makes the product ALU-bound past one row.)
+//  ..._sm   (GemvSiluArgs) the MLP's packed gate|up product [2 I, K] and silu_mul in one launch (op gemv_silu_mul):
+//           each output column's gate row n and up row n + I are summed by one warp (CUDA cores, C = 2) or one
+//           tile (tensor cores: gate in tile rows 16 ct + g, up in 16 ct + 8 + g), exactly as the plain form sums
+//           them, then silu_mul's arithmetic on the two rounded sums; no K split.
 //  gemv_simt_m{MB}_c{C}   CUDA cores, any dtype. Each warp owns C consecutive output columns and its K range;
 //                         lanes stream the W rows with 16-byte loads (vec_ok) or scalar loads (otherwise),
 //                         read the x rows (L1/L2-resident) at the same offsets, FMA in fp32 and reduce with
@@ -31,17 +35,28 @@
 //                         C^T[16 CT columns, 8 MT rows] over interleaved 64-element K steps; the block's warps
 //                         split the K range and add their tiles in shared memory (fixed warp order). Each
 //                         thread loads 16 contiguous bytes of W rows g and g+8 and of x row g at the same
-//                         K offsets; since a dot product does not depend on the order of k, those 8 elements
+//                         K offsets (the 4 threads of a row side by side: a warp load reads 64 contiguous
+//                         bytes of each of 8 rows); since a dot product does not depend on the order of k, those 8 elements
 //                         are fed to the mma's k-slots of that thread directly (the same permutation of k for
 //                         W and x), so every load is a 16-byte vector, no shuffles, no shared-memory staging.
 
 // Programmatic dependent launch (kernels/pdl.py): every kernel opens with PDL_ENTER(): let the next kernel of
 // the stream be scheduled, then wait until the previous kernel has completed and its writes are visible. No
 // kernel touches global memory before it. Without the launch attribute (or before sm_90) both do nothing.
+//
+// The products themselves (gemv_simt_*, gemv_tc_*, their _an and _sm forms) split it: PDL_TRIGGER() first, then
+// each thread issues its first batch of W loads, and only then PDL_WAIT(), before any read of x or write of
+// out, part, counters. W is a weight, which no kernel of a decode step writes, so reading it before the
+// previous kernel is done is safe; with the launch attribute those loads are in flight while the previous
+// kernel drains (the memory pipe is not left idle at the boundary). Nothing else is touched before the wait.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define PDL_ENTER()
+#define PDL_TRIGGER()
+#define PDL_WAIT()
 #endif
 
 #ifndef SCALAR_KIND
@@ -302,8 +317,44 @@ __device__ __forceinline__ void gv_store(scalar_t* __restrict__ out, float* __re
 // ---- CUDA-core kernel ----------------------------------------------------------------------------------
 // grid (ceil(N / (warps * C)), S), block warps * 32. Split s covers k in [s * kchunk, min(K, (s+1) * kchunk)),
 // kchunk a multiple of 64. vec_ok: x, W, their row strides and K allow 16-byte vectors.
-// The warp's C columns from n0 (< N).
-template <int MB, int C>
+//
+// The MLP's activation form (_sm, op gemv_silu_mul): W is the packed gate|up matrix [2 I, K], N = I; a warp owns
+// ONE output column n and its two W rows, gate row n and up row n + I (C = 2), and stores silu_mul's arithmetic
+// of the two rounded sums: (silu(gate).to(dtype) * up).to(dtype). No K split (S = 1).
+
+// silu_mul's arithmetic (decode_kernels.cu silu_mul) on the two fp32 sums of a column: each rounded to the dtype
+// first, as the product's output would be.
+__device__ __forceinline__ scalar_t gv_silu_mul(float gate, float up) {
+    const float g = gv_rnd(gate);
+    return gv_out(gv_rnd(g / (1.0f + expf(-g))) * gv_rnd(up));
+}
+
+// One batch of U vectors of each of the C rows at vectors v, v + 32, ... into acc (the order of k per lane
+// is the same whatever U is: vectors in increasing order).
+template <int MB, int C, int U>
+__device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (&wv)[U][C],
+                                              const scalar_t* __restrict__ x, long long xs, int M, int v) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float wf[C][GV_VEC];
+#pragma unroll
+        for (int c = 0; c < C; ++c) gv_unpack(wv[u][c], wf[c]);
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+            if (m < M) {
+                float xf[GV_VEC];
+                gv_unpack(gv_ld_x(x + m * xs + (long long)(v + u * 32) * GV_VEC), xf);
+#pragma unroll
+                for (int c = 0; c < C; ++c)
+#pragma unroll
+                    for (int e = 0; e < GV_VEC; ++e) acc[c][m] = __fmaf_rn(wf[c][e], xf[e], acc[c][m]);
+            }
+        }
+    }
+}
+
+// The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N.
+template <int MB, int C, bool SM>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
@@ -315,7 +366,12 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const scalar_t* wr[C];
 #pragma unroll
-    for (int c = 0; c < C; ++c) wr[c] = w + (n0 + c < N ? n0 + c : n0) * wsr;  // a column past N reads n0
+    for (int c = 0; c < C; ++c) {
+        if (SM)
+            wr[c] = w + (n0 + (long long)c * N) * wsr;
+        else
+            wr[c] = w + (n0 + c < N ? n0 + c : n0) * wsr;  // a column past N reads n0
+    }
     float acc[C][MB];
 #pragma unroll
     for (int c = 0; c < C; ++c)
@@ -325,47 +381,35 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
     if (vec_ok) {
         const int v1 = k1 / GV_VEC;
         int v = k0 / GV_VEC + lane;
-        for (; v + (U - 1) * 32 < v1; v += U * 32) {
-            uint4 wv[U][C];
+        uint4 wv[U][C];
+        // The first batch of W is loaded before the wait (see PDL_TRIGGER above), then used first.
+        const bool pre = v + (U - 1) * 32 < v1;
+        if (pre) {
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
+        }
+        PDL_WAIT();
+        if (pre) {
+            gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
+            v += U * 32;
+        }
+        for (; v + (U - 1) * 32 < v1; v += U * 32) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float wf[C][GV_VEC];
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-                for (int c = 0; c < C; ++c) gv_unpack(wv[u][c], wf[c]);
-#pragma unroll
-                for (int m = 0; m < MB; ++m) {
-                    if (m < M) {
-                        float xf[GV_VEC];
-                        gv_unpack(gv_ld_x(x + m * xs + (long long)(v + u * 32) * GV_VEC), xf);
-#pragma unroll
-                        for (int c = 0; c < C; ++c)
-#pragma unroll
-                            for (int e = 0; e < GV_VEC; ++e) acc[c][m] = __fmaf_rn(wf[c][e], xf[e], acc[c][m]);
-                    }
-                }
-            }
+                for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
+            gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
         }
         for (; v < v1; v += 32) {
-            float wf[C][GV_VEC];
+            uint4 w1[1][C];
 #pragma unroll
-            for (int c = 0; c < C; ++c) gv_unpack(gv_ld_w(wr[c] + (long long)v * GV_VEC), wf[c]);
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-                if (m < M) {
-                    float xf[GV_VEC];
-                    gv_unpack(gv_ld_x(x + m * xs + (long long)v * GV_VEC), xf);
-#pragma unroll
-                    for (int c = 0; c < C; ++c)
-#pragma unroll
-                        for (int e = 0; e < GV_VEC; ++e) acc[c][m] = __fmaf_rn(wf[c][e], xf[e], acc[c][m]);
-                }
-            }
+            for (int c = 0; c < C; ++c) w1[0][c] = gv_ld_w(wr[c] + (long long)v * GV_VEC);
+            gv_simt_batch<MB, C, 1>(acc, w1, x, xs, M, v);
         }
     } else {
+        PDL_WAIT();
         for (int k = k0 + lane; k < k1; k += 32) {
             float wf[C];
 #pragma unroll
@@ -386,23 +430,34 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         for (int m = 0; m < MB; ++m)
             if (m < M) acc[c][m] = gv_warp_sum(acc[c][m]);  // m < M is the same in every lane
     if (lane == 0) {
+        if (SM) {
 #pragma unroll
-        for (int c = 0; c < C; ++c)
-            if (n0 + c < N)
+            for (int m = 0; m < MB; ++m)
+                if (m < M) out[(long long)m * N + n0] = gv_silu_mul(acc[0][m], acc[C - 1][m]);
+        } else {
 #pragma unroll
-                for (int m = 0; m < MB; ++m)
-                    if (m < M) gv_store(out, part, s, M, N, m, n0 + c, acc[c][m]);
+            for (int c = 0; c < C; ++c)
+                if (n0 + c < N)
+#pragma unroll
+                    for (int m = 0; m < MB; ++m)
+                        if (m < M) gv_store(out, part, s, M, N, m, n0 + c, acc[c][m]);
+        }
     }
 }
 
-// EPI: the fused add + norm after the product (gv_add_norm; part given, out unused).
-template <int MB, int C, bool EPI>
+// EPI: the fused add + norm after the product (gv_add_norm; part given, out unused). SM: the activation form
+// (one output column a warp).
+template <int MB, int C, bool EPI, bool SM>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                         int N, int K, int kchunk, int vec_ok, const GvEpi& epi) {
     const int nw = blockDim.x >> 5;
-    const long long n0 = ((long long)blockIdx.x * nw + (threadIdx.x >> 5)) * C;
-    if (n0 < N) gv_simt_cols<MB, C>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0);
+    constexpr int OC = SM ? 1 : C;  // output columns a warp
+    const long long n0 = ((long long)blockIdx.x * nw + (threadIdx.x >> 5)) * OC;
+    if (n0 < N)
+        gv_simt_cols<MB, C, SM>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0);
+    else
+        PDL_WAIT();
     if (EPI) gv_add_norm(part, gridDim.y, M, N, (long long)blockIdx.x * nw * C, nw * C, epi);
 }
 
@@ -410,17 +465,26 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32)                                              \
         gemv_simt_m##GV_MB##_c##GV_C(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, \
                                      long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,   \
-                                     int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                      \
-        gv_simt<GV_MB, GV_C, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, GvEpi{});           \
+                                     int N, int K, int kchunk, int vec_ok) {                                       \
+        PDL_TRIGGER();                                                                                            \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, GvEpi{});          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_an(             \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok, const scalar_t* __restrict__ r,     \
         long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
-        int* __restrict__ cnt, float eps) {                   \
-        PDL_ENTER();                                                                                              \
-        gv_simt<GV_MB, GV_C, true>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                  \
+        int* __restrict__ cnt, float eps) {                                                                       \
+        PDL_TRIGGER();                                                                                            \
+        gv_simt<GV_MB, GV_C, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                 \
                                           GvEpi{r, rs, nw, y, s, cnt, eps});                                      \
+    }
+// The activation form: C = 2 only (a warp's gate and up rows).
+#define GEMV_SIMT_SM(GV_MB)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c2_sm(                   \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok) {                                            \
+        PDL_TRIGGER();                                                                                            \
+        gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{});                \
     }
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
@@ -430,6 +494,10 @@ GEMV_SIMT(8, 1)
 GEMV_SIMT(8, 2)
 GEMV_SIMT(17, 1)
 GEMV_SIMT(17, 2)
+GEMV_SIMT_SM(1)
+GEMV_SIMT_SM(4)
+GEMV_SIMT_SM(8)
+GEMV_SIMT_SM(17)
 
 // ---- tensor-core kernel (bf16 / fp16, sm_80+) -------------------------------------------------------------
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -457,14 +525,19 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // warps * 16 CT * 8 MT * 4 bytes. Needs vec_ok (16-byte aligned x, W, row strides, K % 8 == 0).
 //
 // Fragments (PTX ISA, mma.m16n8k16, g = lane / 4, t = lane % 4), with the k permutation described above:
-// a K step is 64 elements; thread t holds elements [16 t, 16 t + 16) of the step as two vectors v = 0, 1, each
-// four 32-bit words. mma (v, p), p = 0, 1, takes words 2p and 2p + 1 of vector v:
+// a K step is 64 elements; thread t holds elements [8 t, 8 t + 8) and [32 + 8 t, 32 + 8 t + 8) of the step as
+// two vectors v = 0, 1, each four 32-bit words (so one load instruction of the warp reads 64 contiguous bytes
+// of each of its 8 rows: whole 32-byte sectors). mma (v, p), p = 0, 1, takes words 2p and 2p + 1 of vector v:
 //   A regs {a0, a1, a2, a3} = {W[g] word 2p, W[g+8] word 2p, W[g] word 2p+1, W[g+8] word 2p+1}
 //   B regs {b0, b1}         = {x[g] word 2p, x[g] word 2p+1}
-// so the mma's k-slots (2t, 2t+1 | 2t+8, 2t+9) of thread t are elements 16t + 8v + 4p + (0, 1 | 2, 3) for both
+// so the mma's k-slots (2t, 2t+1 | 2t+8, 2t+9) of thread t are elements 8t + 32v + 4p + (0, 1 | 2, 3) for both
 // operands; over t, v and p the 4 mmas of a step cover its 64 elements once. Accumulator c_i of thread (g, t):
-// output column 16 ct + g + 8 (i >= 2), x row 8 j + 2 t + (i & 1).
-template <int MT, int CT, bool EPI>
+// tile row 16 ct + g + 8 (i >= 2), x row 8 j + 2 t + (i & 1).
+//
+// Tile rows: 16 ct + 8 h + g is W row nb + 16 ct + 8 h + g (nb = 16 CT blockIdx.x). The activation form (SM,
+// N = I): output column o = ob + 8 ct + g (ob = 8 CT blockIdx.x) has its gate row o in tile row 16 ct + g and
+// its up row I + o in tile row 16 ct + 8 + g, so a tile makes 8 CT output columns.
+template <int MT, int CT, bool EPI, bool SM>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                       int N, int K, int kchunk, const GvEpi& epi) {
@@ -475,6 +548,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const long long nb = (long long)blockIdx.x * (16 * CT);
+    const long long ob = (long long)blockIdx.x * (8 * CT);
     const int s = blockIdx.y;
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
@@ -485,8 +559,15 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     for (int ct = 0; ct < CT; ++ct)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const long long n = nb + 16 * ct + 8 * h + g;
-            wp[ct][h] = w + (n < N ? n : (long long)N - 1) * wsr + k0 + 16 * t;  // rows past N: read, dropped
+            long long row;
+            if (SM) {
+                const long long o = ob + 8 * ct + g;
+                row = (o < N ? o : (long long)N - 1) + h * (long long)N;  // columns past I: read, dropped
+            } else {
+                const long long n = nb + 16 * ct + 8 * h + g;
+                row = n < N ? n : (long long)N - 1;  // rows past N: read, dropped
+            }
+            wp[ct][h] = w + row * wsr + k0 + 8 * t;
         }
     const scalar_t* xp[MT];
     bool xin[MT];
@@ -494,7 +575,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     for (int j = 0; j < MT; ++j) {
         const int m = 8 * j + g;
         xin[j] = m < M;
-        xp[j] = x + (xin[j] ? m : 0) * xs + k0 + 16 * t;
+        xp[j] = x + (xin[j] ? m : 0) * xs + k0 + 8 * t;
     }
     float acc[CT][MT][4];
 #pragma unroll
@@ -506,26 +587,34 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
 
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
+    uint4 wa[U][CT][2][2];
+    // kk from the pointers (k0 + 8 t); (k1 - k0) % 8 == 0: a vector is wholly in or out
+#define GV_TC_IN(stp, off) ((stp) < nsteps && k0 + (stp) * 64 + 8 * t + (off) < k1)
+#define GV_TC_LOAD_W(st0)                                                                                         \
+    _Pragma("unroll") for (int u = 0; u < U; ++u) {                                                               \
+        const int stp = (st0) + u * nw;                                                                           \
+        const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);                                               \
+        _Pragma("unroll") for (int ct = 0; ct < CT; ++ct) _Pragma("unroll") for (int h = 0; h < 2; ++h) {         \
+            wa[u][ct][h][0] = in0 ? gv_ld_w(wp[ct][h] + stp * 64) : zero;                                          \
+            wa[u][ct][h][1] = in1 ? gv_ld_w(wp[ct][h] + stp * 64 + 32) : zero;                                     \
+        }                                                                                                         \
+    }
+    // The warp's first steps of W are loaded before the wait (see PDL_TRIGGER above).
+    GV_TC_LOAD_W(warp)
+    PDL_WAIT();
     for (int st = warp; st < nsteps; st += nw * U) {
-        uint4 wa[U][CT][2][2];
+        if (st != warp) {
+            GV_TC_LOAD_W(st)
+        }
         uint4 xb[U][MT][2];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int stp = st + u * nw;
-            const int kk = stp * 64;  // from the pointers (k0 + 16 t); (k1 - k0) % 8 == 0: a vector is wholly in or out
-            const bool in0 = stp < nsteps && k0 + kk + 16 * t < k1;
-            const bool in1 = stp < nsteps && k0 + kk + 16 * t + 8 < k1;
-#pragma unroll
-            for (int ct = 0; ct < CT; ++ct)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    wa[u][ct][h][0] = in0 ? gv_ld_w(wp[ct][h] + kk) : zero;
-                    wa[u][ct][h][1] = in1 ? gv_ld_w(wp[ct][h] + kk + 8) : zero;
-                }
+            const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);
 #pragma unroll
             for (int j = 0; j < MT; ++j) {
-                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + kk) : zero;
-                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + kk + 8) : zero;
+                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;
+                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;
             }
         }
 #pragma unroll
@@ -546,8 +635,10 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
                                    gv_word(xb[u][j][v], 2 * p + 1));
                     }
     }
+#undef GV_TC_LOAD_W
+#undef GV_TC_IN
 
-    // The warps' tiles, [8 MT rows][16 CT columns] each, added in warp order.
+    // The warps' tiles, [8 MT rows][16 CT tile rows] each, added in warp order.
     float* r = gv_red + warp * RW;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct)
@@ -557,15 +648,28 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             for (int i = 0; i < 4; ++i)
                 r[(8 * j + 2 * t + (i & 1)) * (16 * CT) + 16 * ct + g + 8 * (i >> 1)] = acc[ct][j][i];
     __syncthreads();
-    for (int e = threadIdx.x; e < 16 * CT * M; e += blockDim.x) {
-        const int m = e / (16 * CT), nl = e % (16 * CT);  // neighbouring threads: neighbouring columns
-        const long long n = nb + nl;
-        if (n >= N) continue;
-        float sum = 0.f;
-        for (int wi = 0; wi < nw; ++wi) sum += gv_red[wi * RW + m * (16 * CT) + nl];
-        gv_store(out, part, s, M, N, m, n, sum);
+    if (SM) {
+        for (int e = threadIdx.x; e < 8 * CT * M; e += blockDim.x) {
+            const int m = e / (8 * CT), ol = e % (8 * CT);  // neighbouring threads: neighbouring columns
+            const long long o = ob + ol;
+            if (o >= N) continue;
+            const int tr = m * (16 * CT) + 16 * (ol >> 3) + (ol & 7);  // the gate's tile row; up's is 8 further
+            float gate = 0.f, up = 0.f;
+            for (int wi = 0; wi < nw; ++wi) gate += gv_red[wi * RW + tr];
+            for (int wi = 0; wi < nw; ++wi) up += gv_red[wi * RW + tr + 8];
+            out[(long long)m * N + o] = gv_silu_mul(gate, up);
+        }
+    } else {
+        for (int e = threadIdx.x; e < 16 * CT * M; e += blockDim.x) {
+            const int m = e / (16 * CT), nl = e % (16 * CT);  // neighbouring threads: neighbouring columns
+            const long long n = nb + nl;
+            if (n >= N) continue;
+            float sum = 0.f;
+            for (int wi = 0; wi < nw; ++wi) sum += gv_red[wi * RW + m * (16 * CT) + nl];
+            gv_store(out, part, s, M, N, m, n, sum);
+        }
+        if (EPI) gv_add_norm(part, gridDim.y, M, N, nb, 16 * CT, epi);
     }
-    if (EPI) gv_add_norm(part, gridDim.y, M, N, nb, 16 * CT, epi);
 #else
     __trap();  // never launched: kernels/cuda.py uses these for bf16/fp16 on sm_80+ only
 #endif
@@ -575,19 +679,27 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32)                                              \
         gemv_tc_t##GV_MT##_c##GV_CT(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,  \
                                     long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,    \
-                                    int N, int K, int kchunk, int vec_ok) { PDL_ENTER();                                       \
+                                    int N, int K, int kchunk, int vec_ok) {                                        \
+        PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, GvEpi{});                    \
+        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, GvEpi{});                   \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_an(              \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok, const scalar_t* __restrict__ r,     \
         long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
-        int* __restrict__ cnt, float eps) {                   \
-        PDL_ENTER();                                                                                              \
+        int* __restrict__ cnt, float eps) {                                                                       \
+        PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT, true>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk,                           \
+        gv_tc<GV_MT, GV_CT, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk,                          \
                                          GvEpi{r, rs, nw, y, s, cnt, eps});                                       \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_sm(              \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok) {                                            \
+        PDL_TRIGGER();                                                                                            \
+        (void)vec_ok;                                                                                             \
+        gv_tc<GV_MT, GV_CT, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{});                      \
     }
 GEMV_TC(1, 1)
 GEMV_TC(2, 1)
