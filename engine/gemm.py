@@ -126,6 +126,9 @@ class GemvProducts:
         self.choices: dict[tuple[int, int, int], str] = {}
         self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
         self.measured = 0  # (shape, bucket) pairs measured on the device by this object (not from the cache)
+        # Weight shapes whose product is always followed by the MLP's activation (the packed gate|up): "auto"
+        # times them as product + silu_mul (cuBLAS and a launch more, or the gemv kernel's one-launch form)
+        self.activation_shapes: set[tuple[int, int]] = set()
         self._tuning = False  # inside tune(): the cache is written once at its end
 
     # ---- the product --------------------------------------------------------------------------------
@@ -148,6 +151,15 @@ class GemvProducts:
             if choice != "cublas":
                 return ops.gemv_add_rmsnorm(x, w, residual, weight, eps, choice)
         return ops.add_rmsnorm(self(x, w), residual, weight, eps)
+
+    def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu_mul(self(x, w)) for the MLP's packed gate|up weight: one fused launch where the product runs a
+        gemv kernel without K splits (the same sums, so the same bits as the two launches)."""
+        if self.takes(x, w):
+            choice = self.choice(x.shape[0], w)
+            if choice != "cublas":
+                return ops.gemv_silu_mul(x, w, choice)
+        return ops.silu_mul(self(x, w))
 
     def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
         """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured
@@ -176,9 +188,13 @@ class GemvProducts:
         return {f"{n}x{k} {bucket_label(b)}": c for (n, k, b), c in sorted(self.choices.items())}
 
     # ---- auto: measuring --------------------------------------------------------------------------------
-    def tune(self, shapes: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+    def tune(
+        self, shapes: dict[tuple[int, int], list[torch.Tensor]], activation: set[tuple[int, int]] | None = None
+    ) -> None:
         """Choose for every weight shape (with the model's tensors of that shape) and row bucket: mode "cupy"
-        its default launches, mode "auto" from the cache or by measuring (then the cache is written)."""
+        its default launches, mode "auto" from the cache or by measuring (then the cache is written). The shapes
+        in `activation` are measured with the MLP's activation after the product (see silu_mul)."""
+        self.activation_shapes = set(activation or ())
         if not self.ok:
             return
         self._tuning = True
@@ -194,12 +210,13 @@ class GemvProducts:
                 self.cache.save()
 
     def _tuned(self, b: int, n: int, k: int, weights: list[torch.Tensor]) -> str:
-        key = cache_key(self.gpu, self.dtype, n, k, bucket_label(b), self.version)
+        silu = (n, k) in self.activation_shapes
+        key = cache_key(self.gpu, self.dtype, n, k, bucket_label(b) + (" silu" if silu else ""), self.version)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
         try:
-            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights)
+            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights, silu)
         except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: cuBLAS
             warnings.warn(
                 f"gemm auto: measuring {n}x{k} {bucket_label(b)} failed ({type(exc).__name__}: {exc}); "
@@ -229,15 +246,18 @@ class GemvProducts:
             cloned += each
         return ws
 
-    def _measure(self, m: int, n: int, k: int, weights: list[torch.Tensor]) -> tuple[str, dict[str, float]]:
-        """(fastest candidate, us per call of each) for [m, k] x [n, k]^T."""
+    def _measure(
+        self, m: int, n: int, k: int, weights: list[torch.Tensor], silu: bool = False
+    ) -> tuple[str, dict[str, float]]:
+        """(fastest candidate, us per call of each) for [m, k] x [n, k]^T; `silu`: the product followed by the
+        MLP's activation (cuBLAS then silu_mul, against each variant's one-launch gemv_silu_mul)."""
         ws = self._weights(weights)
         each = ws[0].numel() * ws[0].element_size()
         count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
         calls = [ws[i % len(ws)] for i in range(count)]
         g = torch.Generator(device=self.device).manual_seed(n * 7919 + k * 31 + m)
         x = torch.randn((m, k), device=self.device, generator=g).to(self.dtype)
-        expect = F.linear(x, ws[0]).float()
+        expect = (ops.silu_mul(F.linear(x, ws[0])) if silu else F.linear(x, ws[0])).float()
         scale = float(expect.abs().max()) or 1.0
         tol = 1e-3 if self.dtype == torch.float32 else 3e-2
         times: dict[str, float] = {}
@@ -245,11 +265,11 @@ class GemvProducts:
             if candidate == "cublas":
 
                 def product(w, x=x):
-                    return F.linear(x, w)
+                    return ops.silu_mul(F.linear(x, w)) if silu else F.linear(x, w)
             else:
 
                 def product(w, x=x, c=candidate):
-                    return ops.gemv(x, w, c)
+                    return ops.gemv_silu_mul(x, w, c) if silu else ops.gemv(x, w, c)
 
                 err = float((product(ws[0]).float() - expect).abs().max())
                 if not err <= tol * scale:

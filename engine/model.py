@@ -25,6 +25,10 @@ from .state import SessionState
 # Batches up to this many tokens use the recurrent delta rule (a plane per token, so rollback works
 # anywhere inside them); longer ones (prefill) use the chunked GEMM form.
 RECURRENT_MAX_TOKENS = 32
+# Plans captured with programmatic dependent launch by default on GPUs that have it: on the H200 it was >= 1.0x
+# in every configuration measured side by side (bench/gpu_bench.py --sections pdl), and the gemv kernels'
+# weight loads before PDL's wait only pay with it. The model option "pdl" turns it off.
+PDL_DEFAULT = True
 
 
 class Model:
@@ -69,7 +73,9 @@ class Model:
         # proj_add_norm as one launch (the gemv kernel's fused add + norm) where a gemv kernel makes the product;
         # off only to measure the two-launch form against it (bench/gpu_bench.py pdl)
         self.fuse_norm = True
-        self.pdl = False  # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py)
+        # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
+        # the GPU and driver have it (sm_90+), set below once the rest is in place
+        self.pdl = False
         self.head_slice: torch.Tensor | None = None  # several ranks: this rank's vocabulary rows
         if self.group.active:
             full = weights.pop("lm_head.weight")
@@ -92,6 +98,11 @@ class Model:
         self._remap_pos: list[int] = []
         self._head_version = 0  # in plan_tag, bumped when the head or the order's rows are re-made: a plan never outlives the tensors it read
         self._pack()
+        if self.device.type == "cuda" and PDL_DEFAULT:
+            try:
+                self.set_option("pdl", True)
+            except Exception:  # noqa: BLE001 - no CuPy or no driver entry point: plans launch as before
+                self.pdl = False
 
     def _pack(self) -> None:
         """Projections that read the same input become one GEMM (q|k|v; delta-net qkv|z|b|a; MLP gate|up):
@@ -126,7 +137,8 @@ class Model:
             ops.set_row_invariant(mode == "exact")  # decode attention too (process-wide: the kernels' setting)
         self.gemm = mode
         if self._gemv is not None:
-            self._gemv.tune(self.product_weights())
+            gate_up = {tuple(t.shape) for name, t in self.w.items() if name.endswith("gate_up_packed")}
+            self._gemv.tune(self.product_weights(), activation=gate_up)
 
     @property
     def gemm_choices(self) -> dict[str, str]:
@@ -192,9 +204,12 @@ class Model:
         return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        """The MLP up to its down projection (which proj_add_norm makes)."""
-        w = self.w
-        return ops.silu_mul(self.linear(x, w[p + "mlp.gate_up_packed"]))
+        """The MLP up to its down projection (which proj_add_norm makes). With a gemv kernel making the gate|up
+        product, the activation is in the same launch (the same bits as the product then silu_mul)."""
+        w = self.w[p + "mlp.gate_up_packed"]
+        if self._gemv is not None:
+            return self._gemv.silu_mul(x, w)
+        return ops.silu_mul(self.linear(x, w))
 
     def _attention(
         self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -29,11 +29,17 @@ def fake(monkeypatch):
         return F.linear(x, w)
 
     monkeypatch.setattr(ops, "gemv", fake_gemv)
+
+    def fake_gemv_silu_mul(x, w, variant=None):
+        calls["gemv"].append(("silu", variant))
+        return ops.silu_mul(F.linear(x, w))
+
+    monkeypatch.setattr(ops, "gemv_silu_mul", fake_gemv_silu_mul)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: calls["capturing"])
 
-    def measure(self, m, n, k, weights):
-        calls["measure"].append((m, n, k, len(weights)))
+    def measure(self, m, n, k, weights, silu=False):
+        calls["measure"].append((m, n, k, len(weights)) + (("silu",) if silu else ()))
         best = "tc1.w8.s1" if n > 64 else "cublas"
         return best, {"cublas": 10.0, "tc1.w8.s1": 5.0 if n > 64 else 20.0}
 
@@ -74,6 +80,30 @@ def test_each_call_runs_its_choice(fake, tmp_path):
     p(torch.randn(18, 32), wide)  # prefill-sized: cuBLAS, nothing chosen
     assert fake["gemv"] == ["tc1.w8.s1"]
     assert p.takes(x, wide) and not p.takes(torch.randn(18, 32), wide)
+
+
+def test_the_mlp_gate_up_shape_is_measured_and_run_with_its_activation(fake, tmp_path):
+    """A shape named as an activation product (the packed gate|up) is timed as product + silu_mul, cached under
+    its own key (not reusable for a plain product of that shape), and its calls run the one-launch form when a
+    gemv kernel won, cuBLAS then silu_mul when cuBLAS did."""
+    path = tmp_path / "c.json"
+    gate_up, narrow = torch.randn(128, 32), torch.randn(64, 32)
+    p = products("auto", path)
+    p.tune({(128, 32): [gate_up], (64, 32): [narrow]}, activation={(128, 32)})
+    assert sorted(set(fake["measure"])) == sorted(
+        [(hi, 128, 32, 1, "silu") for hi in (1, 4, 8, 17)] + [(hi, 64, 32, 1) for hi in (1, 4, 8, 17)]
+    )
+    keys = json.loads(path.read_text())["entries"]
+    assert sum(key.endswith(" silu") for key in keys) == 4 and len(keys) == 8
+    x = torch.randn(3, 32)
+    out = p.silu_mul(x, gate_up)
+    assert fake["gemv"] == [("silu", "tc1.w8.s1")]
+    torch.testing.assert_close(out, ops.silu_mul(F.linear(x, gate_up)))
+    torch.testing.assert_close(p.silu_mul(x, narrow), ops.silu_mul(F.linear(x, narrow)))  # cuBLAS won: two ops
+    assert fake["gemv"] == [("silu", "tc1.w8.s1")]
+    plain = products("auto", path)  # the same shape as a plain product: its own measurement
+    plain.tune({(128, 32): [gate_up]})
+    assert (1, 128, 32, 1) in fake["measure"]
 
 
 def test_a_shape_met_in_a_capture_gets_the_default_and_is_measured_later(fake, tmp_path):

@@ -33,18 +33,18 @@ def kc():
 
 def _chain(kc, x, w_norm, w1, w2, kcache, vcache, start):
     """A decode-like chain: every kernel reads what the previous one wrote; the last rewrites `x` in place-ish
-    (into a buffer the first kernel read), so a kernel that ran ahead of its predecessor would be seen."""
+    (into a buffer the first kernel read), so a kernel that ran ahead of its predecessor would be seen.
+    The gemv kernels load their first W vectors before PDL's wait (weights only): their three forms are here."""
     h = kc.rmsnorm(x, w_norm, 1e-6)
-    up = kc.gemv(h, w1) if kc.gemv_takes(h, w1) else torch.nn.functional.linear(h, w1)
-    act = kc.silu_mul(up)
+    up = kc.gemv(h, w1)
+    act = kc.gemv_silu_mul(h, w1)  # the product and the activation in one launch
     q = act[:, : 16 * 64].reshape(-1, 16, 64)
-    att = kc.attention_cached(q, kcache, vcache, start, 64**-0.5)
-    down = kc.gemv(att.reshape(att.shape[0], -1), w2) if kc.gemv_takes(att.reshape(att.shape[0], -1), w2) else None
-    if down is None:
-        down = torch.nn.functional.linear(att.reshape(att.shape[0], -1), w2)
-    tok, prob = kc.argmax_prob(down, 0)
-    x.copy_(down)  # the buffer the first kernel read: written last
-    return tok, prob, down
+    att = kc.attention_cached(q, kcache, vcache, start, 64**-0.5).reshape(act.shape[0], -1)
+    down = kc.gemv(att, w2)
+    y, s = kc.gemv_add_rmsnorm(att, w2, x, w_norm, 1e-6)  # product + residual add + norm in one launch
+    tok, prob = kc.argmax_prob(s, 0)
+    x.copy_(s)  # the buffer the first kernel read: written last
+    return tok, prob, up, down, y, s
 
 
 def _captured(kc, pdl_on: bool, dtype: torch.dtype, rows: int):
@@ -116,8 +116,19 @@ def bundled():
     return bundled_model_dir()
 
 
-def test_engine_with_pdl_speculative_equals_greedy_fp32(kc, bundled):
-    eng = Engine.load(bundled, device="cuda", dtype="float32")
+def test_pdl_is_on_by_default_where_the_gpu_has_it(kc, bundled):
+    """An engine on an sm_90+ GPU captures its plans with PDL unless told not to; the option turns it off."""
+    eng = Engine.load(bundled, device="cuda", dtype="bfloat16")
+    assert eng.model.pdl and kc._PDL and "pdl" in eng.model.plan_tag
+    eng.set_model_option("pdl", False)
+    assert not eng.model.pdl and not kc._PDL and "pdl" not in eng.model.plan_tag
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "cupy"])
+def test_engine_with_pdl_speculative_equals_greedy_fp32(kc, bundled, gemm):
+    """With gemm "cupy" every product is a gemv kernel loading weights before PDL's wait (and the MLP's
+    activation inside its gate|up product)."""
+    eng = Engine.load(bundled, device="cuda", dtype="float32", gemm=gemm)
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     kc.set_pdl(True)
     try:
