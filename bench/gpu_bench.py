@@ -314,9 +314,13 @@ GEMV_SHAPES = {
 
 def section_gemv(bandwidth: float) -> None:
     """The gemv kernels against cuBLAS per 9B-like product, 1 and 6 rows, bf16: each timed as gemm "auto" times
-    it (graph replays over distinct weights past L2; engine/gemm.py), % of copy bandwidth = (bytes of W + x +
-    out) / time / copy bandwidth. Then the 9B-like target-only decode with --gemm cublas, cupy and auto."""
+    it (graph replays over distinct weights past L2; engine/gemm.py), with the graph captured without and with
+    programmatic dependent launch (with it, each product's first W loads are in flight while the product before
+    it drains); % of copy bandwidth = (bytes of W + x + out) / time / copy bandwidth. The MLP's gate|up product
+    with its activation in one launch against the two launches. Then the 9B-like target-only decode with --gemm
+    cublas, cupy and auto."""
     from engine.gemm import GemvProducts
+    from kernels import cuda as C
     from kernels import ops
 
     say("== gemv: 9B-like products, bf16, 1 and 6 rows: gemv kernels vs cuBLAS (graph-timed, distinct weights) ==")
@@ -325,11 +329,15 @@ def section_gemv(bandwidth: float) -> None:
     if not tuner.ok:
         say(f"gemv kernels unavailable: {tuner.notice}")
         return
+    pdl_before = C._PDL  # the run's --pdl setting, restored for the decode below
+    pdl_ok = C.set_pdl(True)
+    C.set_pdl(False)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     say(
-        f"{'product':<16} {'N x K':>12} {'M':>2} {'best kernel':>12} {'us':>7} {'%bw':>4} {'default':>12} {'us':>7}"
-        f" {'%bw':>4} {'cuBLAS us':>9} {'%bw':>4} {'auto picks':>12}"
+        f"{'product':<16} {'N x K':>12} {'M':>2} {'best, no PDL':>12} {'us':>7} {'%bw':>4} {'best, PDL':>12} {'us':>7}"
+        f" {'%bw':>4} {'cuBLAS us':>9} {'%bw':>4} {'auto (PDL)':>12}"
     )
+    fused_rows = []
     for name, (n, k) in GEMV_SHAPES.items():
         each = n * k * 2
         count = max(2, min(8, -(-3 * l2 // each)))
@@ -339,24 +347,51 @@ def section_gemv(bandwidth: float) -> None:
             say(f"{name:<16} does not fit")
             continue
         for m in (1, 6):
-            best, times = tuner._measure(m, n, k, ws)
             moved = each + m * k * 2 + m * n * 2
-            kernels = {c: t for c, t in times.items() if c != "cublas"}
-            top = min(kernels, key=kernels.get) if kernels else "-"
-            default = ops.gemv_default(m, n, k, torch.bfloat16, torch.device("cuda"))
+            found = {}
+            for pdl in (False, True) if pdl_ok else (False,):
+                C.set_pdl(pdl)
+                try:
+                    found[pdl] = tuner._measure(m, n, k, ws)
+                finally:
+                    C.set_pdl(False)
 
             def cell(t, moved=moved, width=7):
                 if not t:
                     return f"{'-':>{width}} {'-':>4}"
                 return f"{t:>{width}.1f} {100 * moved / (t * 1e-6) / bandwidth:>3.0f}%"
 
+            cols = []
+            for pdl in (False, True):
+                if pdl not in found:
+                    cols.append(f"{'-':>12} {cell(0)}")
+                    continue
+                times = found[pdl][1]
+                kernels = {c: t for c, t in times.items() if c != "cublas"}
+                top = min(kernels, key=kernels.get) if kernels else "-"
+                cols.append(f"{top:>12} {cell(kernels.get(top))}")
+            best = found.get(True, found[False])[0]
             say(
-                f"{name:<16} {f'{n}x{k}':>12} {m:>2} {top:>12} {cell(kernels.get(top))} {default:>12}"
-                f" {cell(times.get(default))} {cell(times['cublas'], width=9)} {best:>12}"
+                f"{name:<16} {f'{n}x{k}':>12} {m:>2} {cols[0]} {cols[1]} {cell(found[False][1]['cublas'], width=9)} {best:>12}"
             )
+            if name == "mlp gate|up" and pdl_ok:  # with the activation: cuBLAS + silu_mul vs the one-launch form
+                C.set_pdl(True)
+                try:
+                    best_act, times = tuner._measure(m, n, k, ws, silu=True)
+                finally:
+                    C.set_pdl(False)
+                kernels = {c: t for c, t in times.items() if c != "cublas"}
+                top = min(kernels, key=kernels.get)
+                fused_rows.append((m, top, times["cublas"], kernels[top], best_act))
         del ws
         torch.cuda.empty_cache()
+    for m, variant, two, one, best_act in fused_rows:
+        say(
+            f"mlp gate|up + silu_mul, {m} row(s), PDL: cuBLAS + silu_mul {two:.1f} us, one launch ({variant}) "
+            f"{one:.1f} us ({two / one:.3f}x); auto picks {best_act}"
+        )
     say()
+    C.set_pdl(pdl_before)
     section_d(bandwidth, ("cublas", "cupy", "auto"))
 
 
@@ -398,6 +433,14 @@ def section_pdl(model_dir: Path, n: int) -> None:
     for mode in ("cublas", "auto"):
         eng.model.set_gemm(mode, cache_dir=cache)
         row(f"9B-like target-only, gemm {mode}", *measure(eng, list(range(100, 164)), target))
+    # auto measured with PDL on (its choices timed in graphs with PDL's edges, as the plans will run them)
+    C.set_pdl(True)
+    try:
+        eng.model.set_gemm("auto", cache_dir=tempfile.mkdtemp(prefix="specdeck-gemm-pdl-"))
+    finally:
+        C.set_pdl(False)
+    row("9B-like target-only, auto (PDL-tuned)", *measure(eng, list(range(100, 164)), target))
+    say("auto (PDL-tuned) choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
     # the fused projection + residual add + norm (Model.proj_add_norm) off vs on, gemm auto, PDL off
     eng.model.fuse_norm = False
     off, _, same_off = measure(eng, list(range(100, 164)), target)
@@ -862,12 +905,23 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ctx", default="1024,8192,32768,131072", help="context lengths of the ctx section")
+    ap.add_argument("--pdl", action="store_true", help="every plan captured with programmatic dependent launch")
     a = ap.parse_args()
+    if a.pdl:
+        from kernels import cuda as C
+        from kernels import ops
+
+        ops.use_cuda_kernels(True)
+        if not C.set_pdl(True):
+            say("--pdl: programmatic dependent launch is not available here; measuring without it")
     from engine import bundled_model_dir
 
     model_dir = Path(a.model) if a.model else bundled_model_dir()
     sections = a.sections.split(",")
-    say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}")
+    say(
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}"
+        + ("  PDL" if a.pdl else "")
+    )
     bw = 0.0
     if "copy" in sections or "d" in sections or "gemv" in sections:
         bw = copy_bandwidth()

@@ -145,8 +145,10 @@ def attention_times() -> None:
     print()
 
 
-def profile_rounds(rounds: int, gemm: str = "cublas") -> None:
+def profile_rounds(rounds: int, gemm: str = "cublas", pdl: bool = False) -> None:
     eng = random_9b_engine()
+    if pdl:
+        eng.set_model_option("pdl", True)  # before the gemm mode: "auto" then times its candidates with PDL
     eng.model.set_gemm(gemm)
     prompt = list(range(100, 164))
     sess = eng.new_session()
@@ -164,7 +166,7 @@ def profile_rounds(rounds: int, gemm: str = "cublas") -> None:
     gemm_us = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
     count = sum(v[1] for v in by_name.values()) / n
     print(
-        f"== 9B-shape target-only, gemm {gemm}: {n} tokens; GPU busy {total / 1e3:.3f} ms/token; GEMM {gemm_us / 1e3:.3f} ms; "
+        f"== 9B-shape target-only, gemm {gemm}{', PDL' if pdl else ''}: {n} tokens; GPU busy {total / 1e3:.3f} ms/token; GEMM {gemm_us / 1e3:.3f} ms; "
         f"other {(total - gemm_us) / 1e3:.3f} ms; {count:.0f} kernels/token =="
     )
     print(f"{'us/token':>9} {'calls/tok':>9}  kernel")
@@ -187,6 +189,7 @@ def main() -> int:
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="skip the GEMM tables")
     ap.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention table")
     ap.add_argument("--gemm", default="cublas", help="GEMM backends to profile the decode with, comma list")
+    ap.add_argument("--pdl", action="store_true", help="plans captured with programmatic dependent launch")
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
@@ -196,7 +199,7 @@ def main() -> int:
     if a.attention:
         attention_times()
     for gemm in a.gemm.split(","):
-        profile_rounds(a.rounds, gemm)
+        profile_rounds(a.rounds, gemm, a.pdl)
     return 0
 
 

@@ -83,13 +83,17 @@ def main() -> int:
     ap.add_argument("--subs", default="0,32768")
     ap.add_argument("--gemm", default="cublas")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--pdl", action="store_true", help="plans captured with programmatic dependent launch")
     a = ap.parse_args()
     bw = copy_bandwidth()
     eng = Engine.from_factory(
         random_9b_weights, (REAL_9B,), IdsOnly(), Path("random-9b-real"), 4096, [torch.device("cuda")]
     )
+    if a.pdl:
+        eng.set_model_option("pdl", True)  # before the gemm mode: "auto" then times its candidates with PDL
     eng.model.set_gemm(a.gemm)
-    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  gemm {a.gemm}")
+    pdl = "  PDL" if eng.model.pdl else ""
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  gemm {a.gemm}{pdl}")
     steps = {}
     for sub in (int(s) for s in a.subs.split(",")):
         steps[sub] = profile_one(eng, a.depth, sub, a.replays, bw)
