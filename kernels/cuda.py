@@ -1525,26 +1525,19 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     do not take is the reference."""
     if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0] or w.shape[0] % 2:
         return _fallback("gemv_silu_mul", x)(x, w, variant)
+    name, grid, block, smem, _, splits = _gemv_launch(x, w, variant)  # the plain product's launch over 2 I rows
+    if splits > 1:
+        return silu_mul(gemv(x, w, variant))
     m, k = x.shape
     i = w.shape[0] // 2
     vec_ok = _gemv_vec_ok(x, w)  # the up half starts I rows on: aligned with the rows
-    parsed = registry.parse_gemv_variant(variant) if variant is not None else None
-    if variant is not None and parsed is None:
-        raise ValueError(f"unknown gemv variant {variant!r}")
-    if parsed is None or (parsed[0].startswith("tc") and not (vec_ok and _tensor_cores(x.dtype, x.device))):
-        parsed = registry.parse_gemv_variant(gemv_default(m, 2 * i, k, x.dtype, x.device, vec_ok))
-    family, warps, splits = parsed
-    if _gemv_splits(k, splits)[1] > 1:
-        return silu_mul(gemv(x, w, variant))
+    if name.startswith("gemv_simt_"):  # simt1 and simt2 sum a column alike (vectors in the same order): the
+        name, grid = name[: name.rindex("_c")] + "_c2_sm", (-(-i // (block[0] // 32)),)  # two-row form, a warp a column
+    else:  # a tile of 16 CT rows makes 8 CT output columns: the plain launch's grid and shared memory
+        name += "_sm"
     out = torch.empty((m, i), dtype=x.dtype, device=x.device)
-    if family.startswith("tc"):
-        ct = int(family[2])
-        name, grid = f"gemv_tc_t{-(-m // 8)}_c{ct}_sm", (-(-i // (8 * ct)),)
-        smem = warps * 16 * ct * 8 * (-(-m // 8)) * 4
-    else:  # simt1 and simt2 sum a column alike (vectors in the same order): the two-row form serves both
-        name, grid, smem = f"gemv_simt_m{_gemv_bucket_rows(m)}_c2_sm", (-(-i // warps),), 0
     args = la.GemvSiluArgs(x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, M=m, N=i, K=k, vec_ok=int(vec_ok))
-    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem)
+    _launch_gemv(name, x.dtype, x.device, grid, block, args, smem)
     return out
 
 

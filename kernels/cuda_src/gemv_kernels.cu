@@ -353,6 +353,15 @@ __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (
     }
 }
 
+// U vectors of each of the C rows at vectors v, v + 32, ... (weights only).
+template <int U, int C>
+__device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t* const (&wr)[C], int v) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
+}
+
 // The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N.
 template <int MB, int C, bool SM>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
@@ -384,28 +393,19 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         uint4 wv[U][C];
         // The first batch of W is loaded before the wait (see PDL_TRIGGER above), then used first.
         const bool pre = v + (U - 1) * 32 < v1;
-        if (pre) {
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
-        }
+        if (pre) gv_ld_w_batch<U, C>(wv, wr, v);
         PDL_WAIT();
         if (pre) {
             gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
             v += U * 32;
         }
         for (; v + (U - 1) * 32 < v1; v += U * 32) {
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
+            gv_ld_w_batch<U, C>(wv, wr, v);
             gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
         }
         for (; v < v1; v += 32) {
             uint4 w1[1][C];
-#pragma unroll
-            for (int c = 0; c < C; ++c) w1[0][c] = gv_ld_w(wr[c] + (long long)v * GV_VEC);
+            gv_ld_w_batch<1, C>(w1, wr, v);
             gv_simt_batch<MB, C, 1>(acc, w1, x, xs, M, v);
         }
     } else {
