@@ -24,6 +24,7 @@ overlap  the next round queued before the previous event is handed over (Engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import shutil
 import statistics
@@ -312,6 +313,20 @@ GEMV_SHAPES = {
 }
 
 
+@contextlib.contextmanager
+def pdl_captures(on: bool):
+    """Graphs captured inside are captured with programmatic dependent launch (on) or without; the process's
+    setting before is restored after."""
+    from kernels import cuda as C
+
+    before = C._PDL
+    C.set_pdl(on)
+    try:
+        yield
+    finally:
+        C.set_pdl(before)
+
+
 def section_gemv(bandwidth: float) -> None:
     """The gemv kernels against cuBLAS per 9B-like product, 1 and 6 rows, bf16: each timed as gemm "auto" times
     it (graph replays over distinct weights past L2; engine/gemm.py), with the graph captured without and with
@@ -329,9 +344,8 @@ def section_gemv(bandwidth: float) -> None:
     if not tuner.ok:
         say(f"gemv kernels unavailable: {tuner.notice}")
         return
-    pdl_before = C._PDL  # the run's --pdl setting, restored for the decode below
-    pdl_ok = C.set_pdl(True)
-    C.set_pdl(False)
+    with pdl_captures(True):
+        pdl_ok = C._PDL
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     say(
         f"{'product':<16} {'N x K':>12} {'M':>2} {'best, no PDL':>12} {'us':>7} {'%bw':>4} {'best, PDL':>12} {'us':>7}"
@@ -350,11 +364,8 @@ def section_gemv(bandwidth: float) -> None:
             moved = each + m * k * 2 + m * n * 2
             found = {}
             for pdl in (False, True) if pdl_ok else (False,):
-                C.set_pdl(pdl)
-                try:
+                with pdl_captures(pdl):
                     found[pdl] = tuner._measure(m, n, k, ws)
-                finally:
-                    C.set_pdl(False)
 
             def cell(t, moved=moved, width=7):
                 if not t:
@@ -375,11 +386,8 @@ def section_gemv(bandwidth: float) -> None:
                 f"{name:<16} {f'{n}x{k}':>12} {m:>2} {cols[0]} {cols[1]} {cell(found[False][1]['cublas'], width=9)} {best:>12}"
             )
             if name == "mlp gate|up" and pdl_ok:  # with the activation: cuBLAS + silu_mul vs the one-launch form
-                C.set_pdl(True)
-                try:
+                with pdl_captures(True):
                     best_act, times = tuner._measure(m, n, k, ws, silu=True)
-                finally:
-                    C.set_pdl(False)
                 kernels = {c: t for c, t in times.items() if c != "cublas"}
                 top = min(kernels, key=kernels.get)
                 fused_rows.append((m, top, times["cublas"], kernels[top], best_act))
@@ -391,7 +399,6 @@ def section_gemv(bandwidth: float) -> None:
             f"{one:.1f} us ({two / one:.3f}x); auto picks {best_act}"
         )
     say()
-    C.set_pdl(pdl_before)
     section_d(bandwidth, ("cublas", "cupy", "auto"))
 
 
@@ -434,11 +441,8 @@ def section_pdl(model_dir: Path, n: int) -> None:
         eng.model.set_gemm(mode, cache_dir=cache)
         row(f"9B-like target-only, gemm {mode}", *measure(eng, list(range(100, 164)), target))
     # auto measured with PDL on (its choices timed in graphs with PDL's edges, as the plans will run them)
-    C.set_pdl(True)
-    try:
+    with pdl_captures(True):
         eng.model.set_gemm("auto", cache_dir=tempfile.mkdtemp(prefix="specdeck-gemm-pdl-"))
-    finally:
-        C.set_pdl(False)
     row("9B-like target-only, auto (PDL-tuned)", *measure(eng, list(range(100, 164)), target))
     say("auto (PDL-tuned) choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
     # the fused projection + residual add + norm (Model.proj_add_norm) off vs on, gemm auto, PDL off
@@ -905,23 +909,12 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ctx", default="1024,8192,32768,131072", help="context lengths of the ctx section")
-    ap.add_argument("--pdl", action="store_true", help="every plan captured with programmatic dependent launch")
     a = ap.parse_args()
-    if a.pdl:
-        from kernels import cuda as C
-        from kernels import ops
-
-        ops.use_cuda_kernels(True)
-        if not C.set_pdl(True):
-            say("--pdl: programmatic dependent launch is not available here; measuring without it")
     from engine import bundled_model_dir
 
     model_dir = Path(a.model) if a.model else bundled_model_dir()
     sections = a.sections.split(",")
-    say(
-        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}"
-        + ("  PDL" if a.pdl else "")
-    )
+    say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}")
     bw = 0.0
     if "copy" in sections or "d" in sections or "gemv" in sections:
         bw = copy_bandwidth()

@@ -83,14 +83,19 @@ def main() -> int:
     ap.add_argument("--subs", default="0,32768")
     ap.add_argument("--gemm", default="cublas")
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--pdl", action="store_true", help="plans captured with programmatic dependent launch")
+    ap.add_argument(
+        "--no-pdl",
+        dest="pdl",
+        action="store_false",
+        help="plans captured without programmatic dependent launch (under PDL a kernel's span includes its wait)",
+    )
     a = ap.parse_args()
     bw = copy_bandwidth()
     eng = Engine.from_factory(
         random_9b_weights, (REAL_9B,), IdsOnly(), Path("random-9b-real"), 4096, [torch.device("cuda")]
     )
-    if a.pdl:
-        eng.set_model_option("pdl", True)  # before the gemm mode: "auto" then times its candidates with PDL
+    if not a.pdl:  # PDL is the default on sm_90+; before the gemm mode, so that "auto" times its candidates alike
+        eng.set_model_option("pdl", False)
     eng.model.set_gemm(a.gemm)
     pdl = "  PDL" if eng.model.pdl else ""
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  gemm {a.gemm}{pdl}")
