@@ -48,7 +48,7 @@ from PySide6.QtWidgets import (
 
 from app.bench import SYNTHETIC_BANNER, parse_synthetic_rates
 from app.gui import theme
-from app.gui.plots import SERIES_COLORS, _shrinkable, _style_plot
+from app.gui.plots import SERIES_COLORS, StagedPlotWidget, _shrinkable, _style_plot
 from app.profiles import Profile
 
 # Per arm: {workload or "mixed avg": (mean, min, max)} tokens/s.
@@ -89,7 +89,7 @@ def figures_from_json(data: dict[str, Any]) -> Figures:
     return out
 
 
-class BenchBars(pg.PlotWidget):
+class BenchBars(StagedPlotWidget):
     """Tokens/s per workload, one bar per arm with the spread of the rounds as an error bar; a
     compared bench is drawn as dashed outlines beside them."""
 

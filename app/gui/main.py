@@ -90,6 +90,7 @@ def screenshot(
     if quiet:
         _silence_qt_warnings()
     app = _application()
+    from app.gui.paint_queue import paint_queue
     from app.gui.window import MainWindow
 
     window = MainWindow(model_dir=model, remember=False, theme=theme)
@@ -129,7 +130,9 @@ def screenshot(
         app.processEvents()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not window.grab().save(str(path)):
+        with paint_queue().direct():  # every plot in the picture, none left for a later turn
+            saved = window.grab().save(str(path))
+        if not saved:
             raise OSError(f"could not write {path}")
         if window.last_error:  # the picture shows the error banner; the command still fails
             from engine.errors import EngineError

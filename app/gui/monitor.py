@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 from PySide6.QtWidgets import (
@@ -26,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.gui.plots import SERIES_COLORS, make_plot
+from app.gui.plots import SERIES_COLORS, fit_y_top, follow_x, make_plot
 from app.hardware import HostReader, MonitorSample, NvmlReader, read_sample
 from app.history import RingBuffer
 
@@ -165,6 +166,16 @@ class MonitorTab(QWidget):
         self.plots["cpu_percent"].setYRange(0, 100)
         grid.addWidget(self.plots["cpu_percent"], 2, 0)
         grid.addWidget(self.plots["ram_gib"], 2, 1)
+        # Ranges change in steps, not on every sample: a changed range repaints the plot's axes,
+        # the costliest part of a paint, and with eight plots that would be every half second.
+        # x follows the data on the CPU plot, which the others share; percentages span 0-100.
+        x_master = self.plots["cpu_percent"]
+        for plot in self.plots.values():
+            plot.enableAutoRange(axis="x", enable=False)
+            plot.enableAutoRange(axis="y", enable=False)
+            if plot is not x_master:
+                plot.setXLink(x_master)
+        self.plots["utilization_percent"].setYRange(0, 100)
         self._cpu_curve = self.plots["cpu_percent"].plot(pen=pg.mkPen(SERIES_COLORS[0], width=2))
         self._ram_curve = self.plots["ram_gib"].plot(pen=pg.mkPen(SERIES_COLORS[1], width=2))
 
@@ -236,11 +247,28 @@ class MonitorTab(QWidget):
 
     def redraw(self) -> None:
         times = self._times.array()
+        if times.size:
+            follow_x(self.plots["cpu_percent"].getPlotItem(), float(times[0]), float(times[-1]))
         self._cpu_curve.setData(times, self._cpu.array(), connect="finite")
         self._ram_curve.setData(times, self._ram.array(), connect="finite")
         total = self.latest.host.ram_total_bytes if self.latest else None
         if total:  # the whole of RAM, so small changes do not look like big ones
-            self.plots["ram_gib"].setYRange(0, total / GIB, padding=0.02)
+            self._set_top(self.plots["ram_gib"], total / GIB)
+        gpus = self.latest.gpus if self.latest else []
+        # Memory and power up to the largest GPU's total and limit, like RAM; the rest fit the data.
+        known = {
+            "memory_gib": [g.memory_total_bytes / GIB for g in gpus if g.memory_total_bytes],
+            "power_w": [g.power_limit_w for g in gpus if g.power_limit_w],
+        }
+        for key in ("memory_gib", "power_w", "temperature_c", "clock_sm_mhz", "clock_memory_mhz"):
+            if known.get(key):
+                self._set_top(self.plots[key], max(known[key]))
+            else:
+                values = [b.array() for (_, k), b in self._gpu_series.items() if k == key]
+                finite = [v[np.isfinite(v)] for v in values]
+                peaks = [float(v.max()) for v in finite if v.size]
+                if peaks:
+                    fit_y_top(self.plots[key].getPlotItem(), max(peaks))
         for (index, key), series in self._gpu_series.items():
             curve = self._gpu_curves.get((index, key))
             if curve is None:
@@ -250,6 +278,11 @@ class MonitorTab(QWidget):
                 )
                 self._gpu_curves[(index, key)] = curve
             curve.setData(times, series.array(), connect="finite")
+
+    @staticmethod
+    def _set_top(plot: pg.PlotWidget, top: float) -> None:
+        if abs(plot.getViewBox().viewRange()[1][1] - 1.02 * top) > 1e-6 * top:
+            plot.setYRange(0, top * 1.02, padding=0)
 
     def showEvent(self, event: Any) -> None:  # noqa: N802 (Qt's name)
         super().showEvent(event)

@@ -92,7 +92,7 @@ class OutputView(QWidget):
         if self.frame_gate is None or not self.frame_gate.running or not self.isVisible():
             self.flush()
 
-    def flush(self, paint_now: bool = False) -> None:
+    def flush(self) -> None:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -118,7 +118,10 @@ class OutputView(QWidget):
             )
         if follow:
             scrollbar.setValue(scrollbar.maximum())
-        if paint_now and self.isVisible():
+
+    def paint_now(self) -> None:
+        """Paint the text as it is now (a frame between two rounds), not at Qt's next turn."""
+        if self.isVisible():
             self.text.viewport().repaint()
 
     def clear(self) -> None:

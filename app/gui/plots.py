@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.ma  # noqa: F401  (loaded with the window: numpy's unique/percentile import it at first use)
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QCoreApplication, QEvent, QRect, Qt, QTimer
 from PySide6.QtGui import QRegion
 from PySide6.QtWidgets import (
     QGraphicsItem,
@@ -46,6 +46,7 @@ from PySide6.QtWidgets import (
 
 from app import history as hist
 from app.gui import theme
+from app.gui.paint_queue import StagedView, paint_queue
 from app.history import (
     ENGINE_MEMORY_COMPONENTS,
     GIB,
@@ -90,11 +91,43 @@ MARKER_LANES = (0.92, 0.79, 0.66, 0.53)
 OVERLAY_COLOR = "#888888"
 
 
+class StagedPlotWidget(StagedView, pg.PlotWidget):
+    """A PlotWidget whose paint, when it appears, waits its turn on the paint queue: a tab of
+    several plots then appears one plot per turn of the event loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.staged_init()
+
+
 def make_plot(title: str, unit: str, x_label: str = "s") -> pg.PlotWidget:
     """A small plot styled like the others (used by the monitor tab)."""
-    plot = pg.PlotWidget(title=title)
+    plot = StagedPlotWidget(title=title)
     _style_plot(plot.getPlotItem(), unit, x_label)
     return plot
+
+
+def follow_x(plot: pg.PlotItem, first: float, last: float) -> bool:
+    """Keep data from first to last (seconds) in view on x, in steps: when the data nears the
+    right edge (or the range is far too wide, after a clear), the range becomes first .. first +
+    1.5 x the data's span. A few range changes over a long run instead of one per update (each
+    one repaints every axis of the linked plots). Returns whether the range changed."""
+    left, right = plot.getViewBox().viewRange()[0]
+    span = max(last - first, 0.0)
+    width = right - left
+    if last > left + 0.95 * width or first < left or width > 4 * max(span, 1.0):
+        plot.setXRange(first, first + max(1.0, 1.5 * span), padding=0)
+        return True
+    return False
+
+
+def fit_y_top(plot: pg.PlotItem, top_value: float) -> None:
+    """Top of a plot at 1.25 x top_value, changed only when the data outgrows it or shrinks below
+    half of it (after Clear, a slower setting): each change repaints the plot's axes."""
+    current = plot.getViewBox().viewRange()[1][1]
+    wanted = 1.25 * top_value if top_value > 0 else 1.0
+    if top_value > current or wanted < 0.5 * current:
+        plot.setYRange(0, wanted, padding=0)
 
 
 def _style_plot(item: pg.PlotItem, unit: str, x_label: str) -> None:
@@ -150,15 +183,27 @@ def _title(name: str, keys: list[tuple[str, str]]) -> str:
     return f"<b>{name}</b><span style='font-size:8pt'>{spans}</span>"
 
 
-class TimedGraphicsLayout(pg.GraphicsLayoutWidget):
-    """The plots' view; remembers how long its paints take (smoothed wall time)."""
+class TimedGraphicsLayout(StagedView, pg.GraphicsLayoutWidget):
+    """The Live plots' view. Every paint goes through the paint queue, one plot per piece
+    (StagedView.queued_always), and the view adds up how long its paints take."""
 
-    paint_s = 0.0
+    queued_always = True
+    painted_s = 0.0  # wall time of all its paints so far
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pieces: list[pg.PlotItem] = []  # the plots, each painted as one piece
+        self.staged_init()
+
+    def piece_rects(self) -> list[QRect]:
+        """Every plot's rectangle in the viewport (the margins between them hold nothing)."""
+        rects = [self.mapFromScene(item.sceneBoundingRect()).boundingRect() for item in self.pieces]
+        return rects or super().piece_rects()
 
     def paintEvent(self, event: Any) -> None:  # noqa: N802 (Qt's name)
         started = time.perf_counter()
         super().paintEvent(event)
-        self.paint_s = 0.8 * self.paint_s + 0.2 * (time.perf_counter() - started)
+        self.painted_s += time.perf_counter() - started
 
 
 @dataclass
@@ -205,7 +250,9 @@ class RunPlots(QWidget):
         self.frames_drawn = 0
         self._rounds_at_last_frame = 0  # rounds plotted by the latest frame (0: none yet)
         self.frame_gate: Any = None  # worker.FrameGate, set by the window
-        self._redraw_s = 0.0  # smoothed wall time of redraw(); the paint's is graphics.paint_s
+        self._redraw_s = 0.0  # smoothed wall time of a frame's redraw() and of its paint
+        self._paint_s = 0.0
+        self._painted_at_update = 0.0  # graphics.painted_s when update_frame() ended
         self.markers: list[MarkerLines] = []  # the history's markers, as drawn
         self.run_marks: list[RunMarkLines] = []
         self.overlay: Overlay | None = None
@@ -256,8 +303,10 @@ class RunPlots(QWidget):
         layout.addLayout(status)
 
         self.graphics = TimedGraphicsLayout()
+        self.frame_wanted = False  # a frame waits for the engine's next grant (frame_gate)
         layout.addWidget(self.graphics, 1)
         self._build_plots()
+        self.graphics.pieces = [*self.time_plots, self.position_plot]
 
         self._timer = QTimer(self)
         self._timer.setInterval(int(1000 / REDRAW_HZ))
@@ -565,14 +614,15 @@ class RunPlots(QWidget):
         # Keep the plots' share of time under PLOT_TIME_SHARE (see there), but draw at least
         # once every MAX_FRAME_INTERVAL_S.
         now = time.monotonic()
-        frame_s = self._redraw_s + self.graphics.paint_s
+        frame_s = self._redraw_s + self._paint_s
         first_rounds = self._rounds_at_last_frame == 0 and self.history.round_count > 0  # show a new run at once
         if not first_rounds and now - self._last_frame_s < min(frame_s / PLOT_TIME_SHARE, MAX_FRAME_INTERVAL_S):
             return
         gate = self.frame_gate
         if gate is not None and gate.running:
-            # Draw between two rounds, not during one (worker.FrameGate): ask, and draw_frame()
-            # runs when the engine thread grants it.
+            # Draw between two rounds, not during one (worker.FrameGate): ask, and the window
+            # draws the frame when the engine thread grants it.
+            self.frame_wanted = True
             if not gate.requested:
                 gate.request()
             return
@@ -580,18 +630,44 @@ class RunPlots(QWidget):
 
     def draw_frame(self) -> None:
         """Redraw and paint now (synchronously, so the paint is over when this returns)."""
+        self.update_frame()
+        self.paint_frame()
+
+    def update_frame(self) -> None:
+        """A frame's first half: every plot gets the new data and queues its paint (the view
+        paints only through the paint queue); nothing is painted yet."""
         self._last_frame_s = time.monotonic()
         self._rounds_at_last_frame = self.history.round_count
         self.frames_drawn += 1
         started = time.perf_counter()
         self.redraw()
-        self._redraw_s = 0.8 * self._redraw_s + 0.2 * (time.perf_counter() - started)
         if self.isVisible():
-            # Every plot changed (they advance together); the margins between them did not.
-            region = QRegion()
-            for plot in [*self.time_plots, self.position_plot]:
-                region += self.graphics.mapFromScene(plot.sceneBoundingRect()).boundingRect()
-            self.graphics.viewport().repaint(region)
+            # The view boxes apply a changed range to their curves when the scene is about to be
+            # painted. Left to the paint, that changes the plots again, and they are painted twice.
+            scene = self.graphics.scene()
+            scene.prepareForPaint()
+            # The scene reports its changes (a queued call): now, so the pieces are queued now.
+            QCoreApplication.sendPostedEvents(scene, QEvent.Type.MetaCall)
+        self._redraw_s = 0.8 * self._redraw_s + 0.2 * (time.perf_counter() - started)
+        self._painted_at_update = self.graphics.painted_s
+
+    def paint_frame(self) -> None:
+        """A frame's second half, at once: paint every plot now."""
+        if self.isVisible():
+            self.graphics.queue_region(QRegion(self.graphics.viewport().rect()))
+            paint_queue().flush()
+        self._frame_painted()
+
+    def paint_frame_in_pieces(self) -> None:
+        """A frame's second half on the paint queue: one plot per turn of the event loop."""
+        if not self.isVisible():
+            self._frame_painted()
+            return
+        self.graphics.queue_region(QRegion(self.graphics.viewport().rect()), done=self._frame_painted)
+
+    def _frame_painted(self) -> None:
+        frame_paint_s = self.graphics.painted_s - self._painted_at_update
+        self._paint_s = 0.8 * self._paint_s + 0.2 * frame_paint_s
 
     def redraw(self, force_ranges: bool = False) -> None:
         """Every plot from the same data in one frame, so they all advance together.
@@ -689,38 +765,25 @@ class RunPlots(QWidget):
         if exact:  # a picture being exported: fit the data
             self.speed_plot.setXRange(0, max(last * 1.02, 0.1), padding=0)
             return True
-        # Grow the range in steps of 1.5x when the data nears its edge: a few range changes
-        # over a long run instead of one a second (each one repaints every axis).
-        right = self.speed_plot.getViewBox().viewRange()[0][1]
-        if last > 0.95 * right or right > 4 * max(last, 1.0):
-            self.speed_plot.setXRange(0, max(1.0, 1.5 * last), padding=0)
-            return True
-        return False
+        return follow_x(self.speed_plot, 0.0, last)
 
     def _update_y_ranges(self, r: dict[str, np.ndarray], only: int | None = None) -> None:
-        """Top of each plot at 1.25 x its peak, changed only when the data outgrows it or
-        shrinks below half of it (after Clear, a slower setting): each change repaints axes."""
+        """Top of each plot at 1.25 x its peak (fit_y_top)."""
 
         def peak(*arrays: np.ndarray) -> float:
             finite = [a[np.isfinite(a)] for a in arrays]
             return max((float(a.max()) for a in finite if a.size), default=0.0)
-
-        def fit(plot: pg.PlotItem, top_value: float) -> None:
-            current = plot.getViewBox().viewRange()[1][1]
-            wanted = 1.25 * top_value if top_value > 0 else 1.0
-            if top_value > current or wanted < 0.5 * current:
-                plot.setYRange(0, wanted, padding=0)
 
         if only in (None, 0):
             # Single rounds can be very fast (a short bonus-only round): scale to the smoothed
             # rate and to most rounds, not to the one outlier.
             raw = r["tokens_per_second"][np.isfinite(r["tokens_per_second"])]
             typical = float(np.percentile(raw, 95)) if raw.size else 0.0
-            fit(self.speed_plot, max(peak(r["tokens_per_second_smoothed"]), typical))
+            fit_y_top(self.speed_plot, max(peak(r["tokens_per_second_smoothed"]), typical))
         if only in (None, 1):
-            fit(self.length_plot, peak(r["accepted_length"]))
+            fit_y_top(self.length_plot, peak(r["accepted_length"]))
         if only in (None, 2):
-            fit(self.time_plot, peak(getattr(self, "_time_split_top", np.zeros(0))))
+            fit_y_top(self.time_plot, peak(getattr(self, "_time_split_top", np.zeros(0))))
         if only not in (None, 4):
             return
         # Memory in MiB or GiB, whichever reads better; the curves are redrawn in that unit.
@@ -732,7 +795,7 @@ class RunPlots(QWidget):
             self.memory_scale = scale
             self.memory_plot.setLabel("left", text=scale[1])
             self._draw_memory(r["time_s"], r)
-        fit(self.memory_plot, peak_bytes / scale[0])
+        fit_y_top(self.memory_plot, peak_bytes / scale[0])
 
     def _update_texts(self, r: dict[str, np.ndarray]) -> None:
         # Which rounds the bars count, in the axis label (changed only at a marker, so the
@@ -778,7 +841,9 @@ class RunPlots(QWidget):
     def export_png(self, path: str | Path) -> Path:
         self.redraw(force_ranges=True)
         path = Path(path)
-        if not self.graphics.grab().save(str(path)):
+        with paint_queue().direct():  # every plot in the picture, none left for a later turn
+            saved = self.graphics.grab().save(str(path))
+        if not saved:
             raise OSError(f"could not write {path}")
         return path
 

@@ -38,6 +38,7 @@ from app.gui.bench_tab import BenchTab
 from app.gui.controls import KNOB_HELP, KnobPanel, RunPanel, SamplingPanel, check_model_dir
 from app.gui.monitor import MonitorSampler, MonitorTab
 from app.gui.output_view import OutputView
+from app.gui.paint_queue import paint_queue
 from app.gui.plots import RunPlots
 from app.gui.profiles_view import ProfilesTab, figures_from_stats
 from app.gui.worker import (
@@ -244,6 +245,7 @@ class MainWindow(QMainWindow):
         self.worker.bench_finished.connect(self._on_bench_finished)
         self.worker.frame_granted.connect(self._draw_granted_frame)
         self.plots.frame_gate = self.worker.frame_gate
+        paint_queue().gate = self.worker.frame_gate
         self.output.frame_gate = self.worker.frame_gate
 
         self.sampler = MonitorSampler(nvml=nvml, **({"interval_s": sample_interval_s} if sample_interval_s else {}))
@@ -570,10 +572,25 @@ class MainWindow(QMainWindow):
             self.knobs.show_applied(settings)
 
     def _draw_granted_frame(self) -> None:
-        # The engine thread waits between two rounds until release(), however this goes.
+        # The engine thread waits between two rounds until release(), however this goes: the
+        # frame (if one is due) and whatever else waits on the paint queue are painted a piece
+        # per turn of the event loop, so the window answers input and timers between pieces.
+        def frame() -> None:
+            if self.plots.frame_wanted:
+                self.plots.frame_wanted = False
+                self.plots.update_frame()
+                self.plots.paint_frame_in_pieces()
+            self.output.flush()
+
         try:
-            self.plots.draw_frame()
-            self.output.flush(paint_now=True)
+            paint_queue().run_granted(done=self._granted_frame_painted, work=frame)
+        except BaseException:
+            self.worker.frame_gate.release()
+            raise
+
+    def _granted_frame_painted(self) -> None:
+        try:
+            self.output.paint_now()
         finally:
             self.worker.frame_gate.release()
 
