@@ -1,8 +1,9 @@
 """kill -9 during a save never leaves a broken profile: the file is always the old version or the new one.
 
 A writer process saves the same profile over and over (each version's notes carry its number at both
-ends, and are large enough that a write takes a while); the test kills it at random moments and reads
-the file after each kill."""
+ends, and are large enough that a write takes a while) and says when each save has returned; the test
+kills it after a different number of saves each time, at a random moment of the next one, and reads the
+file after each kill. Counting saves, not seconds, keeps the kills spread on a slow disk too."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ WRITER = textwrap.dedent(
         notes = f"<{{i}}>" + "x" * 400_000 + f"</{{i}}>"
         store.save(Profile(name="soak", notes=notes, settings=EngineSettings(draft_depth=1 + i % 16)))
         save_last_used(EngineSettings(draft_depth=1 + i % 16), notes=notes)
+        print(f"saved {{i}}", flush=True)
     """
 )
 
@@ -45,14 +47,17 @@ def test_kill_minus_nine_during_saves_leaves_a_whole_file(tmp_path):
     rng = random.Random(1)
     store_dir = tmp_path / "profiles"
     seen_versions = set()
-    for _ in range(8):
+    for attempt in range(8):
         proc = subprocess.Popen(
             [sys.executable, "-c", WRITER.format(root=root, dir=str(store_dir))],
             stdout=subprocess.PIPE,
             env=env,
         )
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.05, 0.6))
+        completed = attempt % 4  # saves that returned before the kill
+        for i in range(1, completed + 1):
+            assert proc.stdout.readline().strip() == f"saved {i}".encode()
+        time.sleep(rng.uniform(0.0, 0.3))  # then somewhere in the next save (or the one after)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         profiles, problems = ProfileStore(store_dir, shipped_dir=None).list()
@@ -62,7 +67,9 @@ def test_kill_minus_nine_during_saves_leaves_a_whole_file(tmp_path):
         (p,) = profiles
         head = p.notes[: p.notes.index(">") + 1]
         assert p.notes.endswith("</" + head[1:])  # one whole version, not a mix
-        assert p.settings.draft_depth == 1 + int(head[1:-1]) % 16
+        version = int(head[1:-1])
+        assert p.settings.draft_depth == 1 + version % 16
+        assert version >= completed  # a save that returned is never undone by a kill
         seen_versions.add(head)
         previous = os.environ.get("SPECDECK_CONFIG_DIR")
         os.environ["SPECDECK_CONFIG_DIR"] = env["SPECDECK_CONFIG_DIR"]
