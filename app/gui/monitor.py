@@ -27,7 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.gui.plots import SERIES_COLORS, fit_y_top, follow_x, make_plot
+from app.gui.plots import SERIES_COLORS, finite_peak, fit_y_top, follow_x, make_plot
 from app.hardware import HostReader, MonitorSample, NvmlReader, read_sample
 from app.history import RingBuffer
 
@@ -264,11 +264,9 @@ class MonitorTab(QWidget):
             if known.get(key):
                 self._set_top(self.plots[key], max(known[key]))
             else:
-                values = [b.array() for (_, k), b in self._gpu_series.items() if k == key]
-                finite = [v[np.isfinite(v)] for v in values]
-                peaks = [float(v.max()) for v in finite if v.size]
-                if peaks:
-                    fit_y_top(self.plots[key].getPlotItem(), max(peaks))
+                series = [b.array() for (_, k), b in self._gpu_series.items() if k == key]
+                if any(np.isfinite(a).any() for a in series):  # no reading yet: the range stays
+                    fit_y_top(self.plots[key].getPlotItem(), finite_peak(*series))
         for (index, key), series in self._gpu_series.items():
             curve = self._gpu_curves.get((index, key))
             if curve is None:

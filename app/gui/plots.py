@@ -121,6 +121,12 @@ def follow_x(plot: pg.PlotItem, first: float, last: float) -> bool:
     return False
 
 
+def finite_peak(*arrays: np.ndarray) -> float:
+    """The largest finite value of the arrays (0 when there is none)."""
+    finite = [a[np.isfinite(a)] for a in arrays]
+    return max((float(a.max()) for a in finite if a.size), default=0.0)
+
+
 def fit_y_top(plot: pg.PlotItem, top_value: float) -> None:
     """Top of a plot at 1.25 x top_value, changed only when the data outgrows it or shrinks below
     half of it (after Clear, a slower setting): each change repaints the plot's axes."""
@@ -769,10 +775,7 @@ class RunPlots(QWidget):
 
     def _update_y_ranges(self, r: dict[str, np.ndarray], only: int | None = None) -> None:
         """Top of each plot at 1.25 x its peak (fit_y_top)."""
-
-        def peak(*arrays: np.ndarray) -> float:
-            finite = [a[np.isfinite(a)] for a in arrays]
-            return max((float(a.max()) for a in finite if a.size), default=0.0)
+        peak = finite_peak
 
         if only in (None, 0):
             # Single rounds can be very fast (a short bonus-only round): scale to the smoothed
