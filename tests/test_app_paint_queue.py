@@ -44,11 +44,8 @@ def _turn_counter(qtbot) -> tuple[list[int], QTimer]:
     return turns, timer
 
 
-def _thirds() -> list[QRect]:
-    return [QRect(0, 0, 100, 100), QRect(100, 0, 100, 100), QRect(200, 0, 100, 100)]
-
-
-def test_pieces_are_painted_in_order_one_per_turn_with_the_windows_timers_between(qtbot):
+def _shown_canvas(qtbot) -> tuple[Canvas, QTimer]:
+    """A canvas on screen, past its first paints, with no paints recorded yet."""
     turns, timer = _turn_counter(qtbot)
     canvas = Canvas(turns)
     qtbot.addWidget(canvas)
@@ -56,6 +53,15 @@ def test_pieces_are_painted_in_order_one_per_turn_with_the_windows_timers_betwee
     qtbot.waitExposed(canvas)
     qtbot.wait(50)
     canvas.paints.clear()
+    return canvas, timer
+
+
+def _thirds() -> list[QRect]:
+    return [QRect(0, 0, 100, 100), QRect(100, 0, 100, 100), QRect(200, 0, 100, 100)]
+
+
+def test_pieces_are_painted_in_order_one_per_turn_with_the_windows_timers_between(qtbot):
+    canvas, timer = _shown_canvas(qtbot)
     queue = PaintQueue()
     done: list[int] = []
     queue.add(canvas, _thirds(), done=lambda: done.append(len(canvas.paints)))
@@ -69,30 +75,34 @@ def test_pieces_are_painted_in_order_one_per_turn_with_the_windows_timers_betwee
 
 
 def test_a_piece_already_queued_is_queued_once(qtbot):
-    turns, timer = _turn_counter(qtbot)
-    canvas = Canvas(turns)
-    qtbot.addWidget(canvas)
-    canvas.show()
-    qtbot.waitExposed(canvas)
-    qtbot.wait(50)
+    canvas, timer = _shown_canvas(qtbot)
     queue = PaintQueue()
     queue.add(canvas, _thirds()[:2])
     queue.add(canvas, _thirds())  # the first two again, and a third
     assert queue.pending == 3
-    canvas.paints.clear()
     queue.flush()
     timer.stop()
     assert [rect for rect, _ in canvas.paints] == [r.getRect() for r in _thirds()]
 
 
+def test_a_closed_windows_pieces_and_callbacks_are_dropped(qtbot):
+    # A window closed while its frame waits on the (application-wide) queue: the next window's
+    # queue turns must not call into the deleted one.
+    from shiboken6 import delete
+
+    canvas, timer = _shown_canvas(qtbot)
+    queue = PaintQueue()
+    called: list[str] = []
+    queue.add(canvas, _thirds(), done=lambda: called.append("frame"))
+    queue.run_granted(done=lambda: called.append("granted"), owner=canvas)
+    delete(canvas)
+    queue.flush()
+    timer.stop()
+    assert called == [] and queue.pending == 0
+
+
 def test_while_a_run_streams_pieces_wait_for_the_engine_to_stop_between_rounds(qtbot):
-    turns, timer = _turn_counter(qtbot)
-    canvas = Canvas(turns)
-    qtbot.addWidget(canvas)
-    canvas.show()
-    qtbot.waitExposed(canvas)
-    qtbot.wait(50)
-    canvas.paints.clear()
+    canvas, timer = _shown_canvas(qtbot)
     gate = FrameGate()
     gate.set_running(True)
     queue = PaintQueue()
@@ -110,13 +120,7 @@ def test_while_a_run_streams_pieces_wait_for_the_engine_to_stop_between_rounds(q
 
 
 def test_a_grant_that_does_not_come_is_not_waited_for(qtbot):
-    turns, timer = _turn_counter(qtbot)
-    canvas = Canvas(turns)
-    qtbot.addWidget(canvas)
-    canvas.show()
-    qtbot.waitExposed(canvas)
-    qtbot.wait(50)
-    canvas.paints.clear()
+    canvas, timer = _shown_canvas(qtbot)
     gate = FrameGate()
     gate.set_running(True)  # a run whose round never ends (a long first round)
     queue = PaintQueue()

@@ -48,14 +48,15 @@ class PaintQueue(QObject):
 
     def __init__(self) -> None:
         super().__init__()
-        # Pieces, and done callbacks (widget None) that run once everything queued before them is painted.
-        self._pieces: deque[tuple[QWidget | None, QRect | None, Callable[[], None] | None]] = deque()
+        # Pieces (widget, rect, None), and done callbacks (owner, None, done) that run once everything
+        # queued before them is painted, unless their owner is gone by then (a closed window).
+        self._pieces: deque[tuple[QObject, QRect | None, Callable[[], None] | None]] = deque()
         self._queued: set[tuple[int, tuple[int, int, int, int]]] = set()  # pieces queued, by widget and rect
         self.painting: Piece | None = None  # the piece being painted now
         self.direct_paints = 0  # > 0: every paint goes straight through (direct())
         self.gate: Any = None  # worker.FrameGate of the window, set by it
         self._granted = False  # the engine waits: paint now, then run _when_done
-        self._when_done: list[Callable[[], None]] = []
+        self._when_done: list[tuple[QObject | None, Callable[[], None]]] = []
         self._waited_long = False
         # A zero-interval timer, not a queued call: Qt runs queued calls before timers that are
         # already due, so a chain of queued calls would keep the window's own timers waiting.
@@ -76,7 +77,8 @@ class PaintQueue(QObject):
 
     def add(self, widget: QWidget, rects: list[QRect], done: Callable[[], None] | None = None) -> None:
         """Queue widget's rects (widget coordinates) that are not queued already; done runs once
-        they, and everything queued before, are painted (or dropped: the widget gone or hidden)."""
+        they, and everything queued before, are painted (or dropped: the widget gone or hidden); not
+        at all if the widget is gone by then."""
         for rect in rects:
             key = (id(widget), rect.getRect())
             if rect.isEmpty() or key in self._queued:
@@ -84,15 +86,18 @@ class PaintQueue(QObject):
             self._queued.add(key)
             self._pieces.append((widget, rect, None))
         if done is not None:
-            self._pieces.append((None, None, done))
+            self._pieces.append((widget, None, done))
         self._schedule()
 
-    def run_granted(self, done: Callable[[], None], work: Callable[[], None] | None = None) -> None:
+    def run_granted(
+        self, done: Callable[[], None], work: Callable[[], None] | None = None, owner: QObject | None = None
+    ) -> None:
         """The engine waits between two rounds: run work (which may queue pieces), paint every
-        queued piece, one per turn, then call done (which releases the engine)."""
+        queued piece, one per turn, then call done (which releases the engine), unless owner is
+        gone by then."""
         self._granted = True
         self._grant_timer.stop()
-        self._when_done.append(done)
+        self._when_done.append((owner, done))
         try:
             if work is not None:
                 work()
@@ -145,13 +150,19 @@ class PaintQueue(QObject):
         self._granted = False
         self._waited_long = False
         callbacks, self._when_done = self._when_done, []
-        for callback in callbacks:
-            callback()
+        for owner, callback in callbacks:
+            if owner is None or isValid(owner):
+                callback()
+
+    def _run_due_callbacks(self) -> None:
+        # Done callbacks at the head of the queue run in the same turn: they are not paints.
+        while self._pieces and self._pieces[0][1] is None:
+            owner, _, done = self._pieces.popleft()
+            if isValid(owner):
+                done()  # type: ignore[misc]
 
     def _paint_one(self) -> None:
-        # Done callbacks that are due run in the same turn: they are not paints.
-        while self._pieces and self._pieces[0][0] is None:
-            self._pieces.popleft()[2]()  # type: ignore[misc]
+        self._run_due_callbacks()
         if not self._pieces:
             return
         widget, rect = self._pieces.popleft()[:2]
@@ -162,8 +173,7 @@ class PaintQueue(QObject):
                 widget.repaint(rect)  # type: ignore[union-attr,arg-type]
             finally:
                 self.painting = None
-        while self._pieces and self._pieces[0][0] is None:
-            self._pieces.popleft()[2]()  # type: ignore[misc]
+        self._run_due_callbacks()
 
 
 _queue: PaintQueue | None = None

@@ -583,7 +583,7 @@ class MainWindow(QMainWindow):
             self.output.flush()
 
         try:
-            paint_queue().run_granted(done=self._granted_frame_painted, work=frame)
+            paint_queue().run_granted(done=self._granted_frame_painted, work=frame, owner=self)
         except BaseException:
             self.worker.frame_gate.release()
             raise
