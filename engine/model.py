@@ -248,16 +248,16 @@ class Model:
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z, b, a = self.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
+        # up to the output projection (which proj_add_norm makes)
+        if recurrent:  # decode and verify: the conv, the gates, the rule and the output norm in one launch
+            o = ops.conv_delta_rule_norm(
+                qkv, state.conv_planes[i], w[p + "conv1d.weight"], hk, a, b, w[p + "neg_exp_A"], w[p + "dt_bias"],
+                state.delta_planes[i], start, z, w[p + "norm.weight"], cfg.rms_norm_eps,
+            )  # fmt: skip
+            return o.reshape(t, hv * dv)
         qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        # up to the output projection (which proj_add_norm makes)
-        if recurrent:  # decode and verify: the gates and the output norm inside the rule's kernel (one launch)
-            o = ops.gated_delta_rule_ab_norm(
-                q, k, v, a, b, w[p + "neg_exp_A"], w[p + "dt_bias"], state.delta_planes[i], start,
-                z, w[p + "norm.weight"], cfg.rms_norm_eps,
-            )  # fmt: skip
-            return o.reshape(t, hv * dv)
         g, beta = ops.gdn_gates(a, b, w[p + "neg_exp_A"], w[p + "dt_bias"])
         o = ops.chunk_gated_delta_rule(q, k, v, g, beta, state.delta_planes[i], start)
         return ops.gated_rmsnorm(o, z, w[p + "norm.weight"], cfg.rms_norm_eps).reshape(t, hv * dv)

@@ -912,6 +912,108 @@ def gated_delta_rule_ab_norm(
     return y
 
 
+_CDR_K = 4  # the fused conv's kernel size (GDR_CONV_K in decode_kernels.cu); other sizes take the two ops
+
+
+def conv_delta_rule_norm(
+    x: torch.Tensor,
+    conv_ring: torch.Tensor,
+    conv_weight: torch.Tensor,
+    key_heads: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """One launch: conv + SiLU of the raw q|k|v columns, the gates, the rule and the output norm (gdr_dk*_cabn);
+    the conv ring and the rule's planes bit for bit the two ops', the normed rows as gated_delta_rule_ab_norm's.
+    Operands the kernel does not take (another conv size or weight dtype, no counters) run conv_update then
+    gated_delta_rule_ab_norm, each on its kernel."""
+    t, c = x.shape
+    hv, dv = z.shape[1], z.shape[2]
+    dk = (c - hv * dv) // (2 * key_heads) if key_heads > 0 else 0
+    if dk <= 0 or 2 * key_heads * dk + hv * dv != c:
+        raise ValueError(f"{c} conv channels are not q|k of {key_heads} heads and v of {hv} x {dv}")
+    n = state_ring.shape[0]
+    cnt = _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(x) else None
+    fits = (
+        cnt is not None
+        and _cuda_ok(x, conv_ring, conv_weight, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
+        and x.dtype in _KIND
+        and x.dtype == conv_ring.dtype == conv_weight.dtype == a.dtype == b.dtype == z.dtype
+        and x.stride(1) == 1
+        and conv_ring.is_contiguous()
+        and conv_ring.shape == (n, c, _CDR_K - 1)
+        and conv_weight.is_contiguous()
+        and conv_weight.shape == (c, _CDR_K)
+        and state_ring.dtype == torch.float32
+        and state_ring.is_contiguous()
+        and state_ring.shape == (n, hv, dk, dv)
+        and t < n
+        and dk <= 128
+        and hv % key_heads == 0
+        and a.shape == b.shape == (t, hv)
+        and neg_exp_a.dtype == torch.float32
+        and neg_exp_a.numel() == hv
+        and dt_bias.numel() == hv
+        and z.shape == (t, hv, dv)
+        and z.stride(2) == 1
+        and z.stride(1) == dv
+        and weight.dtype == torch.float32
+        and weight.numel() == dv
+    )
+    if not fits:
+        qkv = conv_update(x, conv_ring, conv_weight, start)
+        q, k, v = torch.split(qkv, [key_heads * dk, key_heads * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
+        return gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps)
+    y = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    out = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
+    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+    sp, sv = _start_args(start, x.device)
+    gates = _raw_gates(a, b, neg_exp_a, dt_bias)
+    _launch(
+        f"gdr_dk{dkp}_cabn",
+        x.dtype,
+        x.device,
+        ((dv + 31) // 32, hv),
+        (max(32, dkp),),
+        la.ConvDeltaRuleNormArgs(
+            x=x,
+            xs0=x.stride(0),
+            cring=conv_ring,
+            cw=conv_weight,
+            C=c,
+            **gates,
+            ring=state_ring,
+            out=out,
+            sp=sp,
+            sv=sv,
+            T=t,
+            Hk=key_heads,
+            Hv=hv,
+            dk=dk,
+            dv=dv,
+            n_planes=n,
+            qscale=dk**-0.5,
+            z=z,
+            zs0=z.stride(0),
+            nw=weight.contiguous(),
+            y=y,
+            cnt=cnt,
+            eps=eps,
+        ),
+    )
+    return y
+
+
 _AM_THREADS = 1024
 _AM_MIN_PER_BLOCK = 4096  # bench/argmax_split.py on the H200: 32k logits 6.3 us (8.6 at 16384), 248k 6.8 (8.6)
 
@@ -1626,6 +1728,7 @@ _KERNELS_PER_DTYPE = (
     + [f"gdr_dk{d}_b{a}" for d in (16, 32, 64, 128) for a in "sf"]
     + [f"gdr_dk{d}_ab" for d in (16, 32, 64, 128)]
     + [f"gdr_dk{d}_abn" for d in (16, 32, 64, 128)]
+    + [f"gdr_dk{d}_cabn" for d in (16, 32, 64, 128)]
 )
 
 

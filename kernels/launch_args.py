@@ -165,6 +165,15 @@ GatedDeltaRuleAbNormArgs = builder(
     ),
     *(f"gdr_dk{d}_abn" for d in (16, 32, 64, 128)),
 )
+ConvDeltaRuleNormArgs = builder(
+    "ConvDeltaRuleNormArgs",
+    (
+        "ptr x, i64 xs0, ptr cring, ptr cw, i32 C, ptr a, i64 as0, ptr b, i64 bs0, ptr neg_exp_a, ptr dt_bias, "
+        "ptr ring, ptr out, ptr sp, i64 sv, i32 T, i32 Hk, i32 Hv, i32 dk, i32 dv, i32 n_planes, f32 qscale, "
+        "ptr z, i64 zs0, ptr nw, ptr y, ptr cnt, f32 eps"
+    ),
+    *(f"gdr_dk{d}_cabn" for d in (16, 32, 64, 128)),
+)
 SiluMulArgs = builder(
     "SiluMulArgs",
     "ptr x, i64 xs, ptr y, i32 T, i32 I",

@@ -29,6 +29,7 @@ gemv_silu_mul = reference.gemv_silu_mul
 mtp_prefc = reference.mtp_prefc
 gated_delta_rule_ab = reference.gated_delta_rule_ab
 gated_delta_rule_ab_norm = reference.gated_delta_rule_ab_norm
+conv_delta_rule_norm = reference.conv_delta_rule_norm
 
 _cuda_enabled = False
 

@@ -250,6 +250,35 @@ def gated_delta_rule_ab_norm(
     return gated_rmsnorm(o, z, weight, eps)
 
 
+def conv_delta_rule_norm(
+    x: torch.Tensor,
+    conv_ring: torch.Tensor,
+    conv_weight: torch.Tensor,
+    key_heads: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The delta-net's recurrent step after its projection: conv_update of the raw q|k|v columns x [T, C], split
+    into q, k [T, key_heads, dk] and v [T, Hv, dv] (Hv, dv from z [T, Hv, dv]; C = 2 key_heads dk + Hv dv), then
+    gated_delta_rule_ab_norm. The decode path's form, one launch on a GPU where the ops were two."""
+    t, c = x.shape
+    hv, dv = z.shape[1], z.shape[2]
+    dk = (c - hv * dv) // (2 * key_heads)
+    if dk <= 0 or 2 * key_heads * dk + hv * dv != c:
+        raise ValueError(f"{c} conv channels are not q|k of {key_heads} heads and v of {hv} x {dv}")
+    qkv = conv_update(x, conv_ring, conv_weight, start)
+    q, k, v = torch.split(qkv, [key_heads * dk, key_heads * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
+    return gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps)
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

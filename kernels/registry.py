@@ -40,6 +40,7 @@ NAMES = (
     "mtp_prefc",
     "gated_delta_rule_ab",
     "gated_delta_rule_ab_norm",
+    "conv_delta_rule_norm",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

@@ -442,6 +442,97 @@ def test_gated_delta_rule_ab_norm(kc, dtype, hk, hv, dk, dv, t):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv", GDR_SHAPES)
+@pytest.mark.parametrize("t", [1, 9, 20])
+def test_conv_delta_rule_norm(kc, dtype, hk, hv, dk, dv, t, monkeypatch):
+    """The delta-net's decode step after its projection in one launch (conv + SiLU, gates, rule, norm): the
+    output, the rule's planes and the conv ring bit for bit conv_update -> gated_delta_rule_ab_norm on the GPU
+    (T = 20 crosses the kernel's 16-token chunk), close to the reference, one kernel launched, and a captured
+    launch replayed with new inputs equal to eager calls."""
+    torch.manual_seed(hk * hv + dk + dv + t + 2)
+    n_planes, start = 24, torch.tensor([7], device=CUDA)
+    c = 2 * hk * dk + hv * dv
+    proj = rnd(t, c + hv * dv + 2 * hv + 8, dtype=dtype)  # the projection's q|k|v, z, b, a columns, strided
+    x, z = proj[:, :c], proj[:, c : c + hv * dv].reshape(t, hv, dv)
+    b, a = proj[:, c + hv * dv : c + hv * dv + hv], proj[:, c + hv * dv + hv : c + hv * dv + 2 * hv]
+    conv_w = rnd(c, 4, dtype=dtype, scale=0.5)
+    conv0 = rnd(n_planes, c, 3, dtype=dtype)
+    state0 = rnd(n_planes, hv, dk, dv, scale=0.3)
+    neg_exp_a = -torch.rand(hv, device=CUDA).mul(2).add(0.05)
+    dt_bias, weight = rnd(hv, scale=4.0), rnd(dv, scale=1.0) + 1.0
+
+    def fused(x, conv, state):
+        return kc.conv_delta_rule_norm(x, conv, conv_w, hk, a, b, neg_exp_a, dt_bias, state, start, z, weight, 1e-6)
+
+    def two_ops(x, conv, state):
+        qkv = kc.conv_update(x, conv, conv_w, start)
+        q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+        return kc.gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state, start, z, weight, 1e-6)
+
+    before = dict(kc.registry.fallbacks())
+    launched = []
+    real_launch = kc._launch
+    monkeypatch.setattr(kc, "_launch", lambda name, *a, **kw: launched.append(name) or real_launch(name, *a, **kw))
+    conv, state = conv0.clone(), state0.clone()
+    y = fused(x, conv, state)
+    assert launched == [f"gdr_dk{16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128}_cabn"]
+    conv2, state2 = conv0.clone(), state0.clone()
+    want = two_ops(x, conv2, state2)
+    assert torch.equal(y, want) and torch.equal(state, state2) and torch.equal(conv, conv2)
+    rconv, rstate = conv0.clone(), state0.clone()
+    expect = ref.conv_delta_rule_norm(x, rconv, conv_w, hk, a, b, neg_exp_a, dt_bias, rstate, 7, z, weight, 1e-6)
+    close(y, expect, "conv delta rule norm")
+    assert torch.equal(conv, rconv), "conv planes differ"  # raw inputs moved through the window: exact
+    close(state, rstate, "conv delta rule planes")
+    assert kc.registry.fallbacks() == before
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    x_in, conv_in, state_in = x.clone(), conv0.clone(), state0.clone()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y_out = fused(x_in, conv_in, state_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (0.5, 2.0, 1.0):
+        x_in.copy_(x * scale)
+        conv_in.copy_(conv0)
+        state_in.copy_(state0)
+        graph.replay()
+        conv2, state2 = conv0.clone(), state0.clone()
+        want = fused(x * scale, conv2, state2)
+        torch.cuda.synchronize()
+        assert torch.equal(y_out, want) and torch.equal(conv_in, conv2) and torch.equal(state_in, state2), scale
+
+
+@pytest.mark.gpu
+def test_conv_delta_rule_norm_takes_the_two_kernels_where_its_kernel_does_not_fit(kc):
+    """A conv of another size (or an fp32 conv weight under bf16 activations) runs conv_update then
+    gated_delta_rule_ab_norm, with the same result as calling them."""
+    hk, hv, dk, dv, t = 2, 4, 16, 8, 3
+    c = 2 * hk * dk + hv * dv
+    start = torch.tensor([2], device=CUDA)
+    x, z = rnd(t, c, dtype=torch.bfloat16), rnd(t, hv, dv, dtype=torch.bfloat16)
+    a, b = rnd(t, hv, dtype=torch.bfloat16), rnd(t, hv, dtype=torch.bfloat16)
+    neg_exp_a, dt_bias, weight = -torch.rand(hv, device=CUDA), rnd(hv), rnd(dv) + 1.0
+    for conv_w in (rnd(c, 3, dtype=torch.bfloat16), rnd(c, 4)):
+        k1 = conv_w.shape[1] - 1
+        conv0, state0 = rnd(8, c, k1, dtype=torch.bfloat16), rnd(8, hv, dk, dv, scale=0.3)
+        conv, state = conv0.clone(), state0.clone()
+        y = kc.conv_delta_rule_norm(x, conv, conv_w, hk, a, b, neg_exp_a, dt_bias, state, start, z, weight, 1e-6)
+        conv2, state2 = conv0.clone(), state0.clone()
+        q, k, v = torch.split(kc.conv_update(x, conv2, conv_w, start), [hk * dk, hk * dk, hv * dv], dim=-1)
+        want = kc.gated_delta_rule_ab_norm(
+            q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), a, b, neg_exp_a, dt_bias, state2,
+            start, z, weight, 1e-6,
+        )  # fmt: skip
+        assert torch.equal(y, want) and torch.equal(conv, conv2) and torch.equal(state, state2)
+    with pytest.raises(ValueError, match="conv channels"):
+        kc.conv_delta_rule_norm(x[:, 1:], conv, conv_w, hk, a, b, neg_exp_a, dt_bias, state, start, z, weight, 1e-6)
+
+
+@pytest.mark.gpu
 def test_gated_delta_rule_refuses_too_few_planes(kc):
     q, k, v, g, beta, state = _gdr_inputs(4, 2, 4, 16, 8, torch.float32, 4)
     with pytest.raises(ValueError):

@@ -1131,6 +1131,21 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
 // plane `start` the host made: with several runs, the run that overwrites plane `start` may go first),
 // or, with win NULL (one run), from plane `start` itself, read before this thread writes any plane.
 // ------------------------------------------------------------------------------------------------
+// One token of one channel: silu(conv) of the window and the new raw input xv, rounded to scalar_t, and the
+// window moved on by xv. conv_update and the delta-net step's fused form (gdr_*_cabn) share it, so their bits
+// are the same.
+template <int K>
+__device__ __forceinline__ scalar_t conv_step(float (&win)[K - 1], const float (&wt)[K], float xv) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < K - 1; ++i) acc += win[i] * wt[i];
+    acc += xv * wt[K - 1];
+#pragma unroll
+    for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
+    win[K - 2] = xv;
+    return from_f<scalar_t>(silu_f(acc));
+}
+
 template <int K, typename W>
 __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x, long long xs0,
                                                  scalar_t* __restrict__ ring, const scalar_t* __restrict__ win0,
@@ -1156,14 +1171,7 @@ __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x,
     const int jfirst = T - n_planes + 1 > 1 ? T - n_planes + 1 : 1;
     for (int j = j0; j < j1; ++j) {
         const float xv = to_f(x[(long long)j * xs0 + c]);
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < K - 1; ++i) acc += win[i] * wt[i];
-        acc += xv * wt[K - 1];
-#pragma unroll
-        for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
-        win[K - 2] = xv;
-        y[(long long)j * C + c] = from_f<scalar_t>(silu_f(acc));
+        y[(long long)j * C + c] = conv_step<K>(win, wt, xv);
         if (j + 1 >= jfirst) {  // plane (start + j + 1) holds the window after j + 1 tokens
             scalar_t* wp = ring + pmod(start + j + 1, n_planes) * plane + (long long)c * (K - 1);
 #pragma unroll
@@ -1231,6 +1239,22 @@ struct GdrNorm {
     float eps;
 };
 
+// CONV (the gdr_dk*_cabn kernels, op conv_delta_rule_norm): the delta-net's causal conv + SiLU in the same
+// launch, before the rule. q, k and v are not given: the block works out the conv of the channels it reads from
+// the projection's raw columns x [T, C] (row stride xs0; channels q = kh * dk + d, k = Hk * dk + kh * dk + d,
+// v = 2 Hk dk + h * dv + col), with conv_update's arithmetic (conv_step), into shared memory. The conv ring
+// [n_planes, C, GDR_CONV_K - 1] is read at plane start and written at planes start + 1 .. start + T (T <
+// n_planes): the q and k channels of a key head by one block (column block 0 of the head's first value head),
+// the v channels by the block that owns those columns. The weight cw [C, GDR_CONV_K] has the activation dtype.
+#define GDR_CONV_K 4
+struct GdrConv {
+    const scalar_t* x;
+    long long xs0;
+    scalar_t* ring;
+    const scalar_t* w;
+    int C;
+};
+
 __device__ __forceinline__ void gdr_norm_tail(const scalar_t* out, int T, int Hv, int dv, int h, const GdrNorm& nm) {
     __shared__ int last;
     __shared__ float sh[32];
@@ -1260,7 +1284,7 @@ __device__ __forceinline__ void gdr_norm_tail(const scalar_t* out, int T, int Hv
     }
 }
 
-template <int DK, typename BT, bool RAW, bool NORM>
+template <int DK, typename BT, bool RAW, bool NORM, bool CONV = false>
 __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                          const scalar_t* __restrict__ k, long long ks0, long long ks1,
                                          const scalar_t* __restrict__ v, long long vs0, long long vs1,
@@ -1269,7 +1293,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                                          const float* __restrict__ dt_bias, float* __restrict__ ring,
                                          scalar_t* __restrict__ out, const long long* start_ptr, long long start_val,
                                          int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale,
-                                         const GdrNorm& nm) {
+                                         const GdrNorm& nm, const GdrConv& cv = GdrConv{}) {
     constexpr int NS = DK >= 32 ? DK / 32 : 1;
     constexpr int ROWS = DK / NS;
     constexpr int EPL = (DK + 31) / 32;
@@ -1297,10 +1321,58 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
             S[i] = (active && r < dk) ? sin_[(long long)r * dv + col] : 0.f;
         }
     }
+    // CONV: thread tid < dk owns q channel tid and k channel tid of key head kh; lanes of slice 0 own the v
+    // channel of their column. Their windows and weights stay in registers over every token.
+    constexpr int CK = GDR_CONV_K;
+    __shared__ float s_v[CONV ? GDR_TC : 1][32];
+    const int tid = threadIdx.x;
+    const bool own_qk = CONV && tid < dk, own_v = CONV && slice == 0 && active;
+    const bool write_qk = own_qk && blockIdx.x == 0 && h % (Hv / Hk) == 0;
+    const long long cplane = (long long)cv.C * (CK - 1);
+    const int cq = kh * dk + tid, ck = Hk * dk + kh * dk + tid, cvc = 2 * Hk * dk + h * dv + col;
+    float wq[CK - 1], wk[CK - 1], wvv[CK - 1], tq[CK], tk[CK], tv[CK];
+    if (CONV) {
+        const scalar_t* rp = cv.ring + pmod(start, n_planes) * cplane;
+#pragma unroll
+        for (int i = 0; i < CK - 1; ++i) {
+            wq[i] = own_qk ? to_f(rp[(long long)cq * (CK - 1) + i]) : 0.f;
+            wk[i] = own_qk ? to_f(rp[(long long)ck * (CK - 1) + i]) : 0.f;
+            wvv[i] = own_v ? to_f(rp[(long long)cvc * (CK - 1) + i]) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < CK; ++i) {
+            tq[i] = own_qk ? to_f(cv.w[(long long)cq * CK + i]) : 0.f;
+            tk[i] = own_qk ? to_f(cv.w[(long long)ck * CK + i]) : 0.f;
+            tv[i] = own_v ? to_f(cv.w[(long long)cvc * CK + i]) : 0.f;
+        }
+    }
 
     for (int t0 = 0; t0 < T; t0 += GDR_TC) {
         const int tc = T - t0 < GDR_TC ? T - t0 : GDR_TC;
         __syncthreads();  // the previous chunk's q/k are no longer read
+        if (CONV) {  // the chunk's conv outputs (rounded as conv_update stores them) into s_q, s_k, s_v
+            for (int tt = 0; tt < tc; ++tt) {
+                const long long xrow = (long long)(t0 + tt) * cv.xs0;
+                scalar_t* wp = cv.ring + pmod(start + t0 + tt + 1, n_planes) * cplane;
+                if (own_qk) {
+                    s_q[tt][tid] = to_f(conv_step<CK>(wq, tq, to_f(cv.x[xrow + cq])));
+                    s_k[tt][tid] = to_f(conv_step<CK>(wk, tk, to_f(cv.x[xrow + ck])));
+                    if (write_qk) {
+#pragma unroll
+                        for (int i = 0; i < CK - 1; ++i) {
+                            wp[(long long)cq * (CK - 1) + i] = from_f<scalar_t>(wq[i]);
+                            wp[(long long)ck * (CK - 1) + i] = from_f<scalar_t>(wk[i]);
+                        }
+                    }
+                }
+                if (own_v) {
+                    s_v[tt][lane] = to_f(conv_step<CK>(wvv, tv, to_f(cv.x[xrow + cvc])));
+#pragma unroll
+                    for (int i = 0; i < CK - 1; ++i) wp[(long long)cvc * (CK - 1) + i] = from_f<scalar_t>(wvv[i]);
+                }
+            }
+            __syncthreads();
+        }
         for (int tt = slice; tt < tc; tt += NS) {
             const int t = t0 + tt;
             const scalar_t* qr = q + t * qs0 + kh * qs1;
@@ -1310,8 +1382,13 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
 #pragma unroll
             for (int i = 0; i < EPL; ++i) {
                 const int d = i * 32 + lane;
-                qa[i] = d < dk ? to_f(qr[d]) : 0.f;
-                ka[i] = d < dk ? to_f(kr[d]) : 0.f;
+                if (CONV) {
+                    qa[i] = d < dk ? s_q[tt][d] : 0.f;
+                    ka[i] = d < dk ? s_k[tt][d] : 0.f;
+                } else {
+                    qa[i] = d < dk ? to_f(qr[d]) : 0.f;
+                    ka[i] = d < dk ? to_f(kr[d]) : 0.f;
+                }
                 sq += qa[i] * qa[i];
                 sk += ka[i] * ka[i];
             }
@@ -1339,7 +1416,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                 eg = expf(static_cast<const float*>(g)[t * gs0 + h]);
                 bt = to_f(static_cast<const BT*>(beta)[t * bs0 + h]);
             }
-            const float vv = active ? to_f(v[t * vs0 + h * vs1 + col]) : 0.f;
+            const float vv = !active ? 0.f : CONV ? s_v[tt][lane] : to_f(v[t * vs0 + h * vs1 + col]);
             float u = 0.f;
 #pragma unroll
             for (int i = 0; i < ROWS; ++i) {
@@ -1430,6 +1507,27 @@ GDR(16)
 GDR(32)
 GDR(64)
 GDR(128)
+
+// The delta-net's decode step after its projection in one launch: conv + SiLU, gates, the rule and the output
+// norm (CONV above; q, k, v are worked out from the raw columns x, so the q/k/v parameters are absent).
+#define GDR_CABN(DK)                                                                                          \
+    extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
+        gdr_dk##DK##_cabn(const scalar_t* x, long long xs0, scalar_t* cring, const scalar_t* cw, int C,     \
+                          const scalar_t* a, long long as0, const scalar_t* b, long long bs0,               \
+                          const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* out,          \
+                          const long long* sp, long long sv, int T, int Hk, int Hv, int dk, int dv,          \
+                          int n_planes, float qscale, const scalar_t* z, long long zs0, const float* nw,     \
+                          scalar_t* y, int* cnt, float eps) {                                                \
+        PDL_ENTER();                                                                                         \
+        gdr_impl<DK, scalar_t, true, true, true>(nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, a, as0, b, bs0,  \
+                                                 neg_exp_a, dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv,     \
+                                                 n_planes, qscale, GdrNorm{z, zs0, nw, y, cnt, eps},          \
+                                                 GdrConv{x, xs0, cring, cw, C});                              \
+    }
+GDR_CABN(16)
+GDR_CABN(32)
+GDR_CABN(64)
+GDR_CABN(128)
 
 // ------------------------------------------------------------------------------------------------
 // silu_mul: x [T, 2I] (row stride xs, gate = first I, up = last I) -> y [T, I] contiguous;
