@@ -13,8 +13,9 @@
   several distinct weights of that shape, so that L2 does not flatter it; a variant whose result disagrees
   with cuBLAS is never chosen). The model's own shapes are measured when the mode is set (at load), shapes
   first seen later (a sub-vocab slice of the LM head) at their first eager use, never inside a graph capture
-  (a capture meeting an unmeasured shape uses the default launch). Choices are cached on disk per GPU
-  (engine/gemm_cache.py), so a second load measures nothing.
+  (a capture meeting an unmeasured shape uses the default launch). The MLP's gate|up shape is timed with its
+  activation, and its one-launch form is kept unless cuBLAS + silu_mul is more than 1% faster (`pick`).
+  Choices are cached on disk per GPU (engine/gemm_cache.py), so a second load measures nothing.
 
 - "exact": every product of 1..17 rows through one gemv variant per weight shape whose result for a row does not
   depend on how many rows come with it (CUDA cores, one K order), and decode attention split by the cache size
@@ -52,6 +53,12 @@ _TUNE_MIN_CALLS = 16
 _TUNE_REPLAYS = 3
 _TUNE_CLONE_BYTES = 512 << 20  # the most a measurement clones to get past L2
 _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at most _TUNE_MIN_CALLS calls)
+# The product + activation shapes (gate|up): cuBLAS then silu_mul is two launches, a gemv variant's fused form one.
+# The one-launch form is kept unless cuBLAS + silu_mul is faster by more than this fraction: the timing of each
+# candidate repeats the same launches back to back, where the second launch costs nothing extra, while a decode
+# step's graph pays for every launch (issue 20: launches per token). The rule is part of the cache key.
+_ONE_LAUNCH_MARGIN = 0.01
+_PICK_RULE = "one-launch 1%"
 
 _compiled = None
 
@@ -121,7 +128,7 @@ class GemvProducts:
         if self.cache is not None and self.cache.notice:
             self.notice = self.cache.notice
         self.gpu = torch.cuda.get_device_name(device) if self.ok else ""
-        self.version = ops.gemv_version() if self.ok else ""
+        self.version = f"{ops.gemv_version()} {_PICK_RULE}" if self.ok else ""
         # (n, k, bucket index) -> "cublas" or a gemv variant; the measured us per candidate of mode "auto"
         self.choices: dict[tuple[int, int, int], str] = {}
         self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
@@ -280,8 +287,19 @@ class GemvProducts:
                     )
                     continue
             times[candidate] = _graph_seconds(lambda p=product: [p(w) for w in calls], self.device) / len(calls) * 1e6
-        best = min(times, key=times.get)
-        return best, {c: round(t, 3) for c, t in times.items()}
+        return pick(times, silu), {c: round(t, 3) for c, t in times.items()}
+
+
+def pick(times: dict[str, float], one_launch_preferred: bool) -> str:
+    """The candidate to use from measured us per call: the fastest; for a product + activation shape, the fastest
+    gemv variant (one launch) unless cuBLAS + silu_mul (two) is faster by more than _ONE_LAUNCH_MARGIN."""
+    best = min(times, key=times.get)
+    fused = [c for c in times if c != "cublas"]
+    if one_launch_preferred and best == "cublas" and fused:
+        one = min(fused, key=times.get)
+        if times[one] <= times[best] * (1.0 + _ONE_LAUNCH_MARGIN):
+            return one
+    return best
 
 
 def _graph_seconds(run, device: torch.device) -> float:
@@ -318,4 +336,13 @@ def gemv_products(mode: str, device: torch.device, dtype: torch.dtype, cache_dir
     return GemvProducts(mode, device, dtype, cache_file(cache_dir) if mode == "auto" else None)
 
 
-__all__ = ["GEMM_MODES", "ROW_BUCKETS", "GemvProducts", "TuneCache", "autotuned_linear", "check_mode", "gemv_products"]
+__all__ = [
+    "GEMM_MODES",
+    "ROW_BUCKETS",
+    "GemvProducts",
+    "TuneCache",
+    "autotuned_linear",
+    "check_mode",
+    "gemv_products",
+    "pick",
+]

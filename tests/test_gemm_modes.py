@@ -205,3 +205,25 @@ def test_exact_needs_cuda_like_the_other_kernel_modes():
 
     with pytest.raises(EngineError, match="gemm='exact' needs a CUDA device"):
         gemm.check_mode("exact", torch.device("cpu"))
+
+
+def test_the_pick_keeps_the_one_launch_activation_form_unless_cublas_is_clearly_faster():
+    """gate|up + silu_mul: cuBLAS and a second launch against a gemv variant's single launch. A timing of a
+    candidate repeats it back to back, which hides the second launch's cost, so a tie (within 1%) goes to the
+    single launch; a plain product takes the fastest whatever it is."""
+    tie = {"cublas": 50.0, "simt2.w4.s1": 50.4, "tc2.w8.s1": 51.0}
+    assert gemm.pick(tie, one_launch_preferred=True) == "simt2.w4.s1"
+    assert gemm.pick(tie, one_launch_preferred=False) == "cublas"
+    clear = {"cublas": 50.0, "simt2.w4.s1": 50.6}
+    assert gemm.pick(clear, one_launch_preferred=True) == "cublas"
+    faster = {"cublas": 50.0, "tc2.w8.s1": 48.0}
+    assert gemm.pick(faster, one_launch_preferred=True) == "tc2.w8.s1"
+    assert gemm.pick({"cublas": 50.0}, one_launch_preferred=True) == "cublas"  # no variant measured (all refused)
+
+
+def test_the_pick_rule_is_part_of_the_cache_key(fake, tmp_path):
+    """Choices cached under an older rule are measured again, not reused."""
+    p = products("auto", tmp_path / "c.json")
+    p.tune({(128, 32): [torch.randn(128, 32)]})
+    keys = json.loads((tmp_path / "c.json").read_text())["entries"]
+    assert keys and all(gemm._PICK_RULE in key for key in keys)
