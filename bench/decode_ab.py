@@ -62,7 +62,13 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="assets/models/specdeck-tiny")
+    ap.add_argument("--att-combine", default=None, help="kernels.cuda _ATT_COMBINE for this run (fold, par)")
     a = ap.parse_args()
+    if a.att_combine is not None:
+        from kernels import cuda as kc
+
+        kc._ATT_COMBINE = a.att_combine
+        print(f"attention combine: {a.att_combine}")
     target = EngineSettings(speculative=False, plan_pool=8)
     eng = random_9b_engine()
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:

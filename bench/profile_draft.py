@@ -3,6 +3,7 @@ of a full-vocabulary one): the captured draft plan replayed alone, its wall time
 its kernels' GPU time (torch.profiler), per kernel, for the full vocabulary and a sub-vocab.
 
     python bench/profile_draft.py [--depth 6] [--subs 0,32768] [--gemm cublas] [--replays 20]
+                                  [--attention fold:64,par:64]   (decode attention's combine : least keys a split)
 
 "wall - kernels" is the time the GPU sat between kernels of the graph (launch latency, dependency waits);
 "kernels" over the bytes the step reads is how close the kernels themselves come to the copy bandwidth.
@@ -84,6 +85,11 @@ def main() -> int:
     ap.add_argument("--gemm", default="cublas")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument(
+        "--attention",
+        default="",
+        help="comma list of COMBINE:MIN_KEYS (kernels.cuda _ATT_COMBINE, _ATT_FOLD_MIN_KEYS) to profile each under",
+    )
+    ap.add_argument(
         "--no-pdl",
         dest="pdl",
         action="store_false",
@@ -99,13 +105,28 @@ def main() -> int:
     eng.model.set_gemm(a.gemm)
     pdl = "  PDL" if eng.model.pdl else ""
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  gemm {a.gemm}{pdl}")
-    steps = {}
-    for sub in (int(s) for s in a.subs.split(",")):
-        steps[sub] = profile_one(eng, a.depth, sub, a.replays, bw)
-    if 0 in steps:
-        for sub, t in steps.items():
-            if sub:
-                print(f"sub-vocab {sub}: draft step {steps[0] / t:.2f}x cheaper than the full vocabulary")
+    from kernels import cuda as kc
+
+    variants = [v.split(":") for v in a.attention.split(",")] if a.attention else [[kc._ATT_COMBINE, None]]
+    cfg = eng.model.cfg
+    layer = sum(t.numel() * t.element_size() for k, t in eng.model.w.items() if k.startswith("mtp.") and t.dim() == 2)
+    for combine, min_keys in variants:
+        kc._ATT_COMBINE = combine
+        if min_keys is not None:
+            kc._ATT_FOLD_MIN_KEYS = int(min_keys)
+        print(f"-- attention combine {combine}, least keys a split {kc._ATT_FOLD_MIN_KEYS}")
+        steps = {}
+        for sub in (int(s) for s in a.subs.split(",")):
+            steps[sub] = profile_one(eng, a.depth, sub, a.replays, bw)
+        if 0 in steps:
+            for sub, t in steps.items():
+                if sub:
+                    full_b, sub_b = cfg.vocab_size * cfg.hidden_size * 2 + layer, sub * cfg.hidden_size * 2 + layer
+                    print(
+                        f"sub-vocab {sub}: draft step {steps[0] / t:.2f}x cheaper than the full vocabulary "
+                        f"(at most {full_b / sub_b:.2f}x: the step's bytes read once at copy bandwidth, nothing "
+                        "else costing time)"
+                    )
     eng.close()
     return 0
 

@@ -392,8 +392,13 @@ _ATT_MAX_KERNEL_ROWS = 64
 # T=4 vecb 17.8/43.0/141.5/533.2, vec 20.0/52.7/176.4/671.4, tile 43.3/72.2/240.3/858.1; T=16 vecb
 # 29.4/142.9/529.1/2083, vec 34.1/184.2/690.4/2713; 8 blocks a SM slower than 4 for both.
 _ATT_IMPL = "auto"
-# "par": the split partials are merged by a block (default); "serial": one thread merges them (cross-check)
-_ATT_COMBINE = "par"
+# "fold" (default): the "vecb" form merges its split partials in the same launch (the last split of a row and kv
+# head merges them, attn_vecb_u2_g4_f); other forms, and "par": a launch of attn_combine_par after the splits;
+# "serial": one thread of attn_combine merges them (cross-check)
+_ATT_COMBINE = "fold"
+# The least keys a "vecb" split takes in the fold form (a short context: fewer, longer splits; decode_kernels.cu
+# AV_MIN_KEYS is the other forms')
+_ATT_FOLD_MIN_KEYS = 64
 _ATT_MIN_KEYS_PER_SPLIT = 64
 # Blocks per SM the key splits aim for. A block walks its keys one dependent step after another, so a
 # long context needs many blocks in flight to keep memory busy; splits past the context's length return
@@ -518,9 +523,12 @@ def attention_cached(
         impl = "vec"
     if impl == "vec" and not vec_fits:
         impl = "warp"
+    fold = None
     if impl == "vecb":
         splits = _att_vec_splits(q.device, split_rows, hkv, d, max_keys, unroll=2)
         grid, name = (splits, hkv, t), "attn_vecb_u2_g4"
+        if splits > 1 and _ATT_COMBINE == "fold":
+            fold = _counters(q.device, ("attn", k_cache.data_ptr()), t * hkv)  # None: the combine launch
     elif impl == "vec":
         splits = _att_vec_splits(q.device, split_rows, hkv, d, max_keys)
         grid, name = (splits, hkv, t), f"attn_vec_u{_ATT_VEC_UNROLL}_g{groups_of}"
@@ -550,11 +558,14 @@ def attention_cached(
     common |= {"ws_acc": pa, "ws_ml": pm, "out": out, **gates}
     if impl == "tile":
         args = la.AttnTileArgs(T=t, vec_ok=vec_ok, **common)
+    elif fold is not None:
+        name = "attn_vecb_u2_g4_f"
+        args = la.AttnFoldArgs(**common, cnt=fold, min_keys=_ATT_FOLD_MIN_KEYS)
     else:
         args = la.AttnSplitArgs(**common)
     _launch(name, q.dtype, q.device, grid, (128,), args)
-    if splits > 1:
-        if _ATT_COMBINE == "par":
+    if splits > 1 and fold is None:
+        if _ATT_COMBINE in ("par", "fold"):
             name, threads = "attn_combine_par", max(32, -(-max(d, splits) // 32) * 32)
         else:
             name, threads = "attn_combine", min(256, max(32, (d + 31) // 32 * 32))
@@ -1711,6 +1722,7 @@ _KERNELS_PER_DTYPE = (
         "add_rmsnorm_wf",
         "attn_combine",
         "attn_combine_par",
+        "attn_vecb_u2_g4_f",
         "argmax_partial",
         "argmax_combine",
         "greedy_accept",

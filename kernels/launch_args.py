@@ -127,6 +127,14 @@ AttnTileArgs = builder(
     ),
     *(f"attn_tile_e{e}" for e in (1, 2, 4, 8)),
 )
+AttnFoldArgs = builder(
+    "AttnFoldArgs",
+    (
+        "ptr q, i64 qs0, i64 qs1, ptr kc, ptr vc, ptr start_ptr, i64 start_val, i32 Hq, i32 Hkv, i32 D, "
+        "i64 max_ctx, f32 scale, ptr ws_acc, ptr ws_ml, ptr out, ptr gate, i64 gs0, i64 gs1, ptr cnt, i32 min_keys"
+    ),
+    "attn_vecb_u2_g4_f",
+)
 AttnCombineArgs = builder(
     "AttnCombineArgs",
     "ptr ws_acc, ptr ws_ml, ptr out, i32 S, i32 D, ptr gate, i64 gs0, i64 gs1",

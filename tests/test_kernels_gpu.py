@@ -222,7 +222,7 @@ def test_attention_cached(kc, monkeypatch, impl, dtype, hq, hkv, d, t, start, te
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["par", "serial"])
+@pytest.mark.parametrize("combine", ["fold", "par", "serial"])
 @pytest.mark.parametrize("impl", ATT_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,start", [(1, 20000), (17, 32768 - 17), (4, 32000), (17, 100_000)])
@@ -237,6 +237,50 @@ def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start)
     for st in (start, as_start(start, True)):
         out = kc.attention_cached(q, kcache, vcache, st, d**-0.5)
         close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5), "attention long")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 6, 17])
+@pytest.mark.parametrize("start", [5, 300, 1000, 30000])
+@pytest.mark.parametrize("min_keys", [16, 64])
+def test_attention_fold_merges_the_splits_in_one_launch(kc, monkeypatch, dtype, t, start, min_keys):
+    """vecb with the splits' combine folded into its launch: one kernel, the gated output within a rounding of
+    the combine launch's (attn_combine_par) and close to the reference, whatever the least keys a split; its
+    counters left at zero (a captured launch replayed with new queries equals eager calls)."""
+    monkeypatch.setattr(kc, "_ATT_FOLD_MIN_KEYS", min_keys)
+    torch.manual_seed(t + start + min_keys)
+    max_ctx, hq, hkv, d = 32768 + 64, 16, 4, 256
+    kcache, vcache = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
+    qg = rnd(t, hq, 2 * d, dtype=dtype, scale=2.0)
+    q, gate = qg[..., :d], qg[..., d:]
+    st = as_start(start, True)
+    launched = []
+    real_launch = kc._launch
+    monkeypatch.setattr(kc, "_launch", lambda name, *a, **kw: launched.append(name) or real_launch(name, *a, **kw))
+    out = kc.attention_cached(q, kcache, vcache, st, d**-0.5, gate)
+    assert launched == ["attn_vecb_u2_g4_f"]
+    monkeypatch.setattr(kc, "_ATT_COMBINE", "par")
+    two = kc.attention_cached(q, kcache, vcache, st, d**-0.5, gate)
+    assert launched[1:] == ["attn_vecb_u2_g4", "attn_combine_par"]
+    ulp = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
+    assert bool(((out.float() - two.float()).abs() <= two.float().abs() * ulp + 1e-6).all())
+    close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5, gate), "folded attention")
+    monkeypatch.setattr(kc, "_ATT_COMBINE", "fold")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    q_in = q.clone()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            o_graph = kc.attention_cached(q_in, kcache, vcache, st, d**-0.5, gate)
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (0.5, 2.0, 1.0):
+        q_in.copy_(q * scale)
+        graph.replay()
+        want = kc.attention_cached(q * scale, kcache, vcache, st, d**-0.5, gate)
+        torch.cuda.synchronize()
+        assert torch.equal(o_graph, want), scale
 
 
 @pytest.mark.gpu

@@ -483,6 +483,7 @@ ATTN_SPLIT(8)
 #define AV_WARPS 4
 #define AV_RAW (sizeof(scalar_t) == 4 ? 2 : 1)  // 16-byte words per 8 features
 #define AV_MIN_KEYS 64
+#define ATT_MAX_SPLITS 256  // the most key splits a combine merges (kernels/cuda.py: _ATT_VEC_MAX_SPLITS)
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
 
@@ -573,13 +574,122 @@ __device__ __forceinline__ void butterfly_step(const float (&sc)[2][4], const bo
     for (int h = 0; h < 4; ++h) mx_all[h] = __shfl_sync(full, mx, h << 2);
 }
 
-template <int G, int U, bool BF>
+// FOLD (attn_vecb_u2_g4_f): the combine of the splits inside the same launch. Every block of a (row, kv head)
+// counts itself in at cnt[t * Hkv + kvh] once its partial is stored (an empty split too); the last one (which
+// leaves the counter at zero) merges the S partials of the kv head's G query heads. Warp g finds head g's max,
+// its splits that hold keys (in split order, compacted) and their weights, and the weights' total (lane-strided,
+// then a butterfly: a fixed order); then a thread sums 8 consecutive features of one head over those splits in
+// split order, two 16-byte loads a split and four splits' loads in flight, and writes them gated. The sums are
+// attn_combine_par's (same order and operations); the total's order differs (within a rounding of it).
+template <int G>
+__device__ __noinline__ void attn_fold_tail(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
+                                            scalar_t* __restrict__ out, const scalar_t* __restrict__ gate,
+                                            long long gs0, long long gs1, int S, int T, int Hq, int Hkv, int D,
+                                            int t, int kvh, int* cnt) {
+    __shared__ int last;
+    __shared__ int s_n[G];
+    __shared__ int s_idx[G][ATT_MAX_SPLITS];
+    __shared__ float s_w[G][ATT_MAX_SPLITS];
+    __shared__ float s_inv[G];
+    __syncthreads();  // the block's partial is stored
+    if (threadIdx.x == 0) {
+        int old;  // release: this block's partial; acquire: the other splits'
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + t * Hkv + kvh) : "memory");
+        last = old == S - 1;
+        if (last) cnt[t * Hkv + kvh] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const long long sstride = (long long)T * Hq;
+    for (int g = warp; g < G; g += nw) {
+        const long long base = (long long)t * Hq + kvh * G + g;
+        float mx = NEG_INF;
+        for (int j = lane; j < S; j += 32) mx = fmaxf(mx, __ldcg(ws_ml + (j * sstride + base) * 2));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float l = 0.f;
+        int n = 0;
+        for (int j0 = 0; j0 < S; j0 += 32) {
+            const int j = j0 + lane;
+            const float ms = j < S ? __ldcg(ws_ml + (j * sstride + base) * 2) : NEG_INF;
+            const float w = ms == NEG_INF ? 0.f : expf(ms - mx);
+            if (w != 0.f) l += w * __ldcg(ws_ml + (j * sstride + base) * 2 + 1);
+            const unsigned held = __ballot_sync(0xffffffffu, w != 0.f);
+            if (w != 0.f) {
+                const int at = n + __popc(held & ((1u << lane) - 1u));
+                s_idx[g][at] = j;
+                s_w[g][at] = w;
+            }
+            n += __popc(held);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+        if (lane == 0) {
+            s_inv[g] = 1.0f / l;
+            s_n[g] = n;
+        }
+    }
+    __syncthreads();
+    for (int x8 = threadIdx.x; x8 < G * D / 8; x8 += blockDim.x) {
+        const int g = x8 * 8 / D, d0 = x8 * 8 - g * D;
+        const long long base = (long long)t * Hq + kvh * G + g;
+        const float* acc0 = ws_acc + base * D + d0;
+        const long long jstride = sstride * D;
+        const int n = s_n[g];
+        float a[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = 0.f;
+        int jj = 0;
+        for (; jj + 4 <= n; jj += 4) {
+            float4 v[4][2];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const float4* p = reinterpret_cast<const float4*>(acc0 + s_idx[g][jj + u] * jstride);
+                v[u][0] = __ldcg(p);
+                v[u][1] = __ldcg(p + 1);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const float w = s_w[g][jj + u];
+                a[0] += v[u][0].x * w;
+                a[1] += v[u][0].y * w;
+                a[2] += v[u][0].z * w;
+                a[3] += v[u][0].w * w;
+                a[4] += v[u][1].x * w;
+                a[5] += v[u][1].y * w;
+                a[6] += v[u][1].z * w;
+                a[7] += v[u][1].w * w;
+            }
+        }
+        for (; jj < n; ++jj) {
+            const float4* p = reinterpret_cast<const float4*>(acc0 + s_idx[g][jj] * jstride);
+            const float4 v0 = __ldcg(p), v1 = __ldcg(p + 1);
+            const float w = s_w[g][jj];
+            a[0] += v0.x * w;
+            a[1] += v0.y * w;
+            a[2] += v0.z * w;
+            a[3] += v0.w * w;
+            a[4] += v1.x * w;
+            a[5] += v1.y * w;
+            a[6] += v1.z * w;
+            a[7] += v1.w * w;
+        }
+        const float inv = s_inv[g];
+        const long long goff = t * gs0 + (kvh * G + g) * gs1 + d0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[base * D + d0 + i] = gated_out(a[i] * inv, gate, goff + i);
+    }
+}
+
+template <int G, int U, bool BF, bool FOLD = false>
 __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                               const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
                                               const long long* start_ptr, long long start_val, int Hq, int Hkv,
                                               int D, long long max_ctx, float scale, float* __restrict__ ws_acc,
                                               float* __restrict__ ws_ml, scalar_t* __restrict__ out,
-                                              const scalar_t* __restrict__ gate, long long gs0, long long gs1) {
+                                              const scalar_t* __restrict__ gate, long long gs0, long long gs1,
+                                              int* cnt = nullptr, int min_keys = AV_MIN_KEYS) {
     __shared__ float s_m[AV_WARPS][G], s_l[AV_WARPS][G];
     __shared__ float s_acc[AV_WARPS][G][256];
     const int S = gridDim.x, T = gridDim.z;
@@ -596,13 +706,14 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     long long b, e;
     // At least AV_MIN_KEYS keys a split: a short context keeps a few busy splits instead of many one-step ones
     // (each pays its partial's write and the combine's read)
-    key_split(start_ptr, start_val, t, max_ctx, S, s, step > AV_MIN_KEYS ? step : AV_MIN_KEYS, b, e);
+    key_split(start_ptr, start_val, t, max_ctx, S, s, step > min_keys ? step : min_keys, b, e);
     if (b >= e && S > 1) {  // no keys here: a neutral partial; attn_combine never reads a weight-0 accumulator
         for (int x = threadIdx.x; x < G; x += blockDim.x) {
             const long long prow = (long long)s * T * Hq + (long long)t * Hq + kvh * G + x;
             ws_ml[prow * 2] = NEG_INF;
             ws_ml[prow * 2 + 1] = 0.f;
         }
+        if (FOLD) attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, S, T, Hq, Hkv, D, t, kvh, cnt);
         return;
     }
     const long long rstride = (long long)Hkv * D;
@@ -779,6 +890,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
             }
         }
     }
+    if (FOLD && S > 1) attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, S, T, Hq, Hkv, D, t, kvh, cnt);
 }
 
 #define ATTN_VEC(G, U)                                                                                     \
@@ -809,6 +921,18 @@ extern "C" __global__ void __launch_bounds__(AV_WARPS * 32, 4)
     PDL_ENTER();
     attn_vec_impl<4, 2, true>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc, ws_ml,
                               out, gate, gs0, gs1);
+}
+
+// The butterfly form with the splits' combine in the same launch (FOLD above) and the least keys a split takes
+// as a parameter; cnt: T * Hkv counters, zero between launches.
+extern "C" __global__ void __launch_bounds__(AV_WARPS * 32, 4)
+    attn_vecb_u2_g4_f(const scalar_t* q, long long qs0, long long qs1, const scalar_t* kc, const scalar_t* vc,
+                      const long long* start_ptr, long long start_val, int Hq, int Hkv, int D, long long max_ctx,
+                      float scale, float* ws_acc, float* ws_ml, scalar_t* out, const scalar_t* gate, long long gs0,
+                      long long gs1, int* cnt, int min_keys) {
+    PDL_ENTER();
+    attn_vec_impl<4, 2, true, true>(q, qs0, qs1, kc, vc, start_ptr, start_val, Hq, Hkv, D, max_ctx, scale, ws_acc,
+                                    ws_ml, out, gate, gs0, gs1, cnt, min_keys);
 }
 
 // attention_cached, tiled form (the default): grid (S splits, Hkv, row groups); 4 warps per block.
@@ -1043,7 +1167,6 @@ ATTN_TILE(2)
 ATTN_TILE(4)
 ATTN_TILE(8)
 
-#define ATT_MAX_SPLITS 256  // the most key splits a combine merges (kernels/cuda.py: _ATT_VEC_MAX_SPLITS)
 // Grid (Hq, T); merges the S partials of each (query row, head).
 extern "C" __global__ void attn_combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                                         scalar_t* __restrict__ out, int S, int D, const scalar_t* __restrict__ gate,
