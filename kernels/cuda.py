@@ -947,9 +947,7 @@ def conv_delta_rule_norm(
     gated_delta_rule_ab_norm, each on its kernel."""
     t, c = x.shape
     hv, dv = z.shape[1], z.shape[2]
-    dk = (c - hv * dv) // (2 * key_heads) if key_heads > 0 else 0
-    if dk <= 0 or 2 * key_heads * dk + hv * dv != c:
-        raise ValueError(f"{c} conv channels are not q|k of {key_heads} heads and v of {hv} x {dv}")
+    dk = reference.conv_key_dim(c, key_heads, z)
     n = state_ring.shape[0]
     cnt = _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(x) else None
     fits = (
@@ -978,10 +976,8 @@ def conv_delta_rule_norm(
         and weight.dtype == torch.float32
         and weight.numel() == dv
     )
-    if not fits:
-        qkv = conv_update(x, conv_ring, conv_weight, start)
-        q, k, v = torch.split(qkv, [key_heads * dk, key_heads * dk, hv * dv], dim=-1)
-        q, k, v = q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
+    if not fits:  # the two ops, each on its kernel
+        q, k, v = reference.split_conv_heads(conv_update(x, conv_ring, conv_weight, start), key_heads, z)
         return gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps)
     y = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
     if y.numel() == 0:

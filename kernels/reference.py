@@ -268,15 +268,29 @@ def conv_delta_rule_norm(
     """The delta-net's recurrent step after its projection: conv_update of the raw q|k|v columns x [T, C], split
     into q, k [T, key_heads, dk] and v [T, Hv, dv] (Hv, dv from z [T, Hv, dv]; C = 2 key_heads dk + Hv dv), then
     gated_delta_rule_ab_norm. The decode path's form, one launch on a GPU where the ops were two."""
-    t, c = x.shape
-    hv, dv = z.shape[1], z.shape[2]
-    dk = (c - hv * dv) // (2 * key_heads)
-    if dk <= 0 or 2 * key_heads * dk + hv * dv != c:
-        raise ValueError(f"{c} conv channels are not q|k of {key_heads} heads and v of {hv} x {dv}")
-    qkv = conv_update(x, conv_ring, conv_weight, start)
-    q, k, v = torch.split(qkv, [key_heads * dk, key_heads * dk, hv * dv], dim=-1)
-    q, k, v = q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
+    q, k, v = split_conv_heads(conv_update(x, conv_ring, conv_weight, start), key_heads, z)
     return gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps)
+
+
+def conv_key_dim(channels: int, key_heads: int, z: torch.Tensor) -> int:
+    """dk of a delta-net's conv channels q | k | v (key_heads x dk each for q and k, then z's Hv x dv for v);
+    ValueError when the channels are not of that form."""
+    hv, dv = z.shape[1], z.shape[2]
+    dk = (channels - hv * dv) // (2 * key_heads) if key_heads > 0 else 0
+    if dk <= 0 or 2 * key_heads * dk + hv * dv != channels:
+        raise ValueError(f"{channels} conv channels are not q|k of {key_heads} heads and v of {hv} x {dv}")
+    return dk
+
+
+def split_conv_heads(
+    qkv: torch.Tensor, key_heads: int, z: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k [T, key_heads, dk] and v [T, Hv, dv] (Hv, dv from z [T, Hv, dv]): views of the conv's rows [T, C]."""
+    t, c = qkv.shape
+    dk = conv_key_dim(c, key_heads, z)
+    hv, dv = z.shape[1], z.shape[2]
+    q, k, v = torch.split(qkv, [key_heads * dk, key_heads * dk, hv * dv], dim=-1)
+    return q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
 
 
 def chunk_gated_delta_rule(
