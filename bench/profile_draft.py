@@ -39,6 +39,11 @@ def draft_graph(eng: Engine, depth: int, sub: int):
     return sess, key, sess.plans.graphs[key][0]
 
 
+def mtp_layer_bytes(eng: Engine) -> int:
+    """Bytes of the MTP layer's weight matrices (everything under "mtp.", the head and embedding aside)."""
+    return sum(t.numel() * t.element_size() for k, t in eng.model.w.items() if k.startswith("mtp.") and t.dim() == 2)
+
+
 def profile_one(eng: Engine, depth: int, sub: int, replays: int, bw: float) -> float:
     sess, key, graph = draft_graph(eng, depth, sub)
     for _ in range(3):
@@ -61,8 +66,7 @@ def profile_one(eng: Engine, depth: int, sub: int, replays: int, bw: float) -> f
     cfg = eng.model.cfg
     h = cfg.hidden_size
     head = (sub or cfg.vocab_size) * h * 2
-    w = eng.model.w  # the MTP layer's weights (everything under "mtp.", the head and embedding aside)
-    layer = sum(t.numel() * t.element_size() for k, t in w.items() if k.startswith("mtp.") and t.dim() == 2)
+    layer = mtp_layer_bytes(eng)
     print(
         f"== draft plan {key[:4]} (depth {depth}, sub-vocab {sub or 'full'}): {wall_us / depth:.1f} us a step "
         f"(graph wall {wall_us:.1f} us), kernels {busy / depth:.1f} us a step, between kernels "
@@ -109,7 +113,7 @@ def main() -> int:
 
     variants = [v.split(":") for v in a.attention.split(",")] if a.attention else [[kc._ATT_COMBINE, None]]
     cfg = eng.model.cfg
-    layer = sum(t.numel() * t.element_size() for k, t in eng.model.w.items() if k.startswith("mtp.") and t.dim() == 2)
+    layer = mtp_layer_bytes(eng)
     for combine, min_keys in variants:
         kc._ATT_COMBINE = combine
         if min_keys is not None:

@@ -785,6 +785,11 @@ def _gdr_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_ring: tor
     )
 
 
+def _gdr_dk_kernel(dk: int) -> int:
+    """The rule kernel's DK for a key head dim dk (<= 128): dk rounded up to a power of two, at least 16."""
+    return 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+
+
 def _gdr_launch(kernel: str, builder, q, k, v, state_ring, start: Start, gates: dict) -> torch.Tensor:
     """Launch the recurrent rule's kernel `kernel` (its "{dk}" filled with dk rounded up to a power of two)
     with the operands both forms share and their gate operands `gates`."""
@@ -794,7 +799,7 @@ def _gdr_launch(kernel: str, builder, q, k, v, state_ring, start: Start, gates: 
     if out.numel() == 0:
         return out
     qc, kc, vc = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
-    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+    dkp = _gdr_dk_kernel(dk)
     sp, sv = _start_args(start, v.device)
     _launch(
         kernel.format(dk=dkp),
@@ -904,15 +909,7 @@ def gated_delta_rule_ab_norm(
     t, hv, dv = v.shape
     cnt = _counters(v.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(v) else None
     if not (
-        cnt is not None
-        and _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
-        and _cuda_ok(z, weight)
-        and z.dtype == v.dtype
-        and z.shape == (t, hv, dv)
-        and z.stride(2) == 1
-        and z.stride(1) == dv
-        and weight.dtype == torch.float32
-        and weight.numel() == dv
+        cnt is not None and _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring) and _gdr_norm_fits(v, z, weight)
     ):  # the two kernels (each takes its reference where it must)
         o = gated_delta_rule_ab(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start)
         return gated_rmsnorm(o, z, weight, eps)
@@ -947,34 +944,22 @@ def conv_delta_rule_norm(
     gated_delta_rule_ab_norm, each on its kernel."""
     t, c = x.shape
     hv, dv = z.shape[1], z.shape[2]
-    dk = reference.conv_key_dim(c, key_heads, z)
+    q, k, v = reference.split_conv_heads(x, key_heads, z)  # views of the raw columns: what the rule is given
+    dk = q.shape[2]
     n = state_ring.shape[0]
     cnt = _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(x) else None
     fits = (
         cnt is not None
-        and _cuda_ok(x, conv_ring, conv_weight, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
-        and x.dtype in _KIND
-        and x.dtype == conv_ring.dtype == conv_weight.dtype == a.dtype == b.dtype == z.dtype
+        and _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
+        and _gdr_norm_fits(v, z, weight)
+        and _cuda_ok(conv_ring, conv_weight)
+        and x.dtype == conv_ring.dtype == conv_weight.dtype
         and x.stride(1) == 1
         and conv_ring.is_contiguous()
         and conv_ring.shape == (n, c, _CDR_K - 1)
         and conv_weight.is_contiguous()
         and conv_weight.shape == (c, _CDR_K)
-        and state_ring.dtype == torch.float32
-        and state_ring.is_contiguous()
         and state_ring.shape == (n, hv, dk, dv)
-        and t < n
-        and dk <= 128
-        and hv % key_heads == 0
-        and a.shape == b.shape == (t, hv)
-        and neg_exp_a.dtype == torch.float32
-        and neg_exp_a.numel() == hv
-        and dt_bias.numel() == hv
-        and z.shape == (t, hv, dv)
-        and z.stride(2) == 1
-        and z.stride(1) == dv
-        and weight.dtype == torch.float32
-        and weight.numel() == dv
     )
     if not fits:  # the two ops, each on its kernel
         q, k, v = reference.split_conv_heads(conv_update(x, conv_ring, conv_weight, start), key_heads, z)
@@ -983,7 +968,7 @@ def conv_delta_rule_norm(
     if y.numel() == 0:
         return y
     out = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
-    dkp = 16 if dk <= 16 else 32 if dk <= 32 else 64 if dk <= 64 else 128
+    dkp = _gdr_dk_kernel(dk)
     sp, sv = _start_args(start, x.device)
     gates = _raw_gates(a, b, neg_exp_a, dt_bias)
     _launch(
@@ -1019,6 +1004,20 @@ def conv_delta_rule_norm(
         ),
     )
     return y
+
+
+def _gdr_norm_fits(v: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the rule kernels' output norm (the _abn / _cabn forms) takes this gate z and fp32 weight for v."""
+    t, hv, dv = v.shape
+    return (
+        _cuda_ok(z, weight)
+        and z.dtype == v.dtype
+        and z.shape == (t, hv, dv)
+        and z.stride(2) == 1
+        and z.stride(1) == dv
+        and weight.dtype == torch.float32
+        and weight.numel() == dv
+    )
 
 
 _AM_THREADS = 1024
