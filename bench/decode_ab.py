@@ -3,9 +3,11 @@ two trees in one device call, interleaved): the 9B-like model target-only (bf16,
 scratch, PDL as the engine defaults), the bundled model target-only and speculative (depth 5, chain), and the
 kernels a 9B-like token launches (torch.profiler over captured rounds).
 
-    python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny]
+    python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab]
 
-Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations.
+Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
+figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
+same process and with the same gemm choices, interleaved (one, two, one, two).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="assets/models/specdeck-tiny")
     ap.add_argument("--att-combine", default=None, help="kernels.cuda _ATT_COMBINE for this run (fold, par)")
+    ap.add_argument("--rule-ab", action="store_true", help="A/B the in_proj product + delta step fusion")
     a = ap.parse_args()
     if a.att_combine is not None:
         from kernels import cuda as kc
@@ -73,20 +76,32 @@ def main() -> int:
     eng = random_9b_engine()
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
-    tps, _ = median_tps(eng, target, a.n, a.reps)
-    print(f"9B-like target-only, gemm auto: {tps:.1f} t/s")
-    print(f"9B-like launches per token, gemm auto: {launches_per_token(eng, target):.1f}")
+    for fused in (True, False, True, False) if a.rule_ab else (True,):
+        eng.model.fuse_rule = fused
+        tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
+        tps, _ = median_tps(eng, target, a.n, a.reps)
+        print(f"9B-like target-only, gemm auto{tag}: {tps:.1f} t/s")
+        print(f"9B-like launches per token, gemm auto{tag}: {launches_per_token(eng, target):.1f}")
     print("9B-like auto's choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
     eng.close()
     del eng
     torch.cuda.empty_cache()
     tiny = Engine.load(Path(a.model), device="cuda", dtype="bfloat16")
-    tps, plain = median_tps(tiny, target, a.n, a.reps)
-    print(f"bundled target-only: {tps:.1f} t/s")
     spec = EngineSettings(draft_depth=5, chain=True, plan_pool=8)
-    tps, drafted = median_tps(tiny, spec, a.n, a.reps)
-    print(f"bundled spec depth 5 chain: {tps:.1f} t/s (tokens as target-only: {drafted == plain})")
-    print(f"bundled launches per token, target-only: {launches_per_token(tiny, target):.1f}")
+    for gemm in ("cublas", "auto") if a.rule_ab else ("cublas",):
+        if gemm != "cublas":
+            with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+                tiny.model.set_gemm(gemm, cache_dir=cache)
+        for fused in (True, False, True, False) if a.rule_ab and gemm != "cublas" else (True,):
+            tiny.model.fuse_rule = fused
+            tag = "" if gemm == "cublas" else f" [gemm {gemm}, in_proj + step: {'one launch' if fused else 'two'}]"
+            tps, plain = median_tps(tiny, target, a.n, a.reps)
+            print(f"bundled target-only{tag}: {tps:.1f} t/s")
+            tps, drafted = median_tps(tiny, spec, a.n, a.reps)
+            print(f"bundled spec depth 5 chain{tag}: {tps:.1f} t/s (tokens as target-only: {drafted == plain})")
+            print(f"bundled launches per token, target-only{tag}: {launches_per_token(tiny, target):.1f}")
+    if a.rule_ab:
+        print("bundled auto's choices: " + ", ".join(f"{k} {v}" for k, v in tiny.model.gemm_choices.items()))
     tiny.close()
     return 0
 

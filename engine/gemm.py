@@ -60,6 +60,15 @@ _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at 
 _ONE_LAUNCH_MARGIN = 0.01
 _PICK_RULE = "one-launch 1%"
 
+# The delta-net's in_proj product + decode step in one launch (GemvProducts.conv_delta_rule_norm) where the product
+# runs a gemv kernel: with the tensor-core tile variant (its occupancy is the same with the rule's registers, a
+# CUDA-core variant's falls by three quarters; on a dtype or GPU without tensor cores the kernels' default), and
+# only for a weight of at least _RULE_MIN_BYTES, whose product lasts long enough to hide the rule's pieces (9B-like,
+# bench/in_proj_step.py: 33.8 against 36.2 us a layer at 1 row, 44.6 against 50.7 at 4; the bundled model's 0.6 MB
+# in_proj was 1-4% slower fused). Mode "exact" keeps its row-invariant variant and the two launches.
+_RULE_VARIANT = "tc2.w8.s1"
+_RULE_MIN_BYTES = 32 << 20
+
 _compiled = None
 
 
@@ -167,6 +176,20 @@ class GemvProducts:
             if choice != "cublas":
                 return ops.gemv_silu_mul(x, w, choice)
         return ops.silu_mul(self(x, w))
+
+    def conv_delta_rule_norm(
+        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
+    ) -> torch.Tensor:
+        """The delta-net's decode step from its input rows: in_proj_step(self(x, w), ...), one fused launch where
+        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step)."""
+        step = (conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps)
+        if self.takes(x, w):
+            choice = self.choice(x.shape[0], w)
+            if choice != "cublas":
+                if self.mode != "exact" and w.numel() * w.element_size() >= _RULE_MIN_BYTES:
+                    return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT)
+                return ops.in_proj_step(ops.gemv(x, w, choice), *step)
+        return ops.in_proj_step(self(x, w), *step)
 
     def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
         """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured

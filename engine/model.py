@@ -73,6 +73,10 @@ class Model:
         # proj_add_norm as one launch (the gemv kernel's fused add + norm) where a gemv kernel makes the product;
         # off only to measure the two-launch form against it (bench/gpu_bench.py pdl)
         self.fuse_norm = True
+        # the delta-net's in_proj product and its decode step as one launch (the gemv kernel's "_dr" form) where a
+        # gemv kernel makes the product (engine/gemm.py _RULE_VARIANT says where); off only to measure the two-launch
+        # form against it (bench/decode_ab.py --rule-ab)
+        self.fuse_rule = True
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -246,15 +250,18 @@ class Model:
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z, b, a = self.linear(x, w[p + "in_proj_packed"]).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
-        z = z.reshape(t, hv, dv)
+        w_in = w[p + "in_proj_packed"]
         # up to the output projection (which proj_add_norm makes)
         if recurrent:  # decode and verify: the conv, the gates, the rule and the output norm in one launch
-            o = ops.conv_delta_rule_norm(
-                qkv, state.conv_planes[i], w[p + "conv1d.weight"], hk, a, b, w[p + "neg_exp_A"], w[p + "dt_bias"],
-                state.delta_planes[i], start, z, w[p + "norm.weight"], cfg.rms_norm_eps,
+            step = (
+                state.conv_planes[i], w[p + "conv1d.weight"], hk, w[p + "neg_exp_A"], w[p + "dt_bias"],
+                state.delta_planes[i], start, w[p + "norm.weight"], cfg.rms_norm_eps,
             )  # fmt: skip
-            return o.reshape(t, hv * dv)
+            if self._gemv is not None and self.fuse_rule:  # with the product too, where a gemv kernel makes it
+                return self._gemv.conv_delta_rule_norm(x, w_in, *step).reshape(t, hv * dv)
+            return ops.in_proj_step(self.linear(x, w_in), *step).reshape(t, hv * dv)
+        qkv, z, b, a = self.linear(x, w_in).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
+        z = z.reshape(t, hv, dv)
         qkv = ops.conv_update(qkv, state.conv_planes[i], w[p + "conv1d.weight"], start)
         q, k, v = torch.split(qkv, [hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
@@ -454,6 +461,7 @@ class Model:
         """Anything beyond the batch shape that a captured plan depends on."""
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
         tag = (*tag, "pdl") if self.pdl else tag
+        tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property

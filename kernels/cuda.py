@@ -16,6 +16,7 @@ PyTorch reference in `kernels/reference.py` (the ground truth, see tests/test_ke
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -93,15 +94,39 @@ def available() -> tuple[bool, str]:
 
 
 # ---- compilation, loading, launching ----------------------------------------------------------------
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)".*$', re.MULTILINE)
+
+
+def expand_includes(path: Path) -> str:
+    """The text of the CUDA source at `path` with each `#include "<name>.cuh"` line replaced by that header's
+    text (from the same folder; each header once, its `#pragma once` dropped): what NVRTC compiles, and what the
+    kernels' hashes (cache keys) are made of, so that a header edit changes them."""
+    seen: set[str] = set()
+
+    def one(m: re.Match) -> str:
+        name = m.group(1)
+        if name in seen:
+            return f"// {name}: included above"
+        seen.add(name)
+        text = (path.parent / name).read_text().replace("#pragma once\n", "")
+        return _INCLUDE.sub(one, text).rstrip("\n")
+
+    return _INCLUDE.sub(one, path.read_text())
+
+
 def _source() -> str:
     global _source_text
     if _source_text is None:
-        _source_text = _SRC_PATH.read_text()
+        _source_text = expand_includes(_SRC_PATH)
     return _source_text
 
 
+def _decode_code(kind: int) -> str:
+    return f"#define SCALAR_KIND {kind}\n" + _source()
+
+
 def _compile(kind: int):
-    code = f"#define SCALAR_KIND {kind}\n" + _source()
+    code = _decode_code(kind)
     try:
         return _raw_module(code)
     except Exception as first:  # noqa: BLE001
@@ -944,30 +969,15 @@ def conv_delta_rule_norm(
     gated_delta_rule_ab_norm, each on its kernel."""
     t, c = x.shape
     hv, dv = z.shape[1], z.shape[2]
-    q, k, v = reference.split_conv_heads(x, key_heads, z)  # views of the raw columns: what the rule is given
-    dk = q.shape[2]
-    n = state_ring.shape[0]
-    cnt = _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if _cuda_ok(x) else None
-    fits = (
-        cnt is not None
-        and _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
-        and _gdr_norm_fits(v, z, weight)
-        and _cuda_ok(conv_ring, conv_weight)
-        and x.dtype == conv_ring.dtype == conv_weight.dtype
-        and x.stride(1) == 1
-        and conv_ring.is_contiguous()
-        and conv_ring.shape == (n, c, _CDR_K - 1)
-        and conv_weight.is_contiguous()
-        and conv_weight.shape == (c, _CDR_K)
-        and state_ring.shape == (n, hv, dk, dv)
-    )
-    if not fits:  # the two ops, each on its kernel
+    cnt = _cdr_counters(x, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
+    if cnt is None:  # the two ops, each on its kernel
         q, k, v = reference.split_conv_heads(conv_update(x, conv_ring, conv_weight, start), key_heads, z)
         return gated_delta_rule_ab_norm(q, k, v, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps)
     y = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
     out = torch.empty((t, hv, dv), dtype=x.dtype, device=x.device)
+    dk = state_ring.shape[2]
     dkp = _gdr_dk_kernel(dk)
     sp, sv = _start_args(start, x.device)
     gates = _raw_gates(a, b, neg_exp_a, dt_bias)
@@ -993,7 +1003,7 @@ def conv_delta_rule_norm(
             Hv=hv,
             dk=dk,
             dv=dv,
-            n_planes=n,
+            n_planes=state_ring.shape[0],
             qscale=dk**-0.5,
             z=z,
             zs0=z.stride(0),
@@ -1003,6 +1013,98 @@ def conv_delta_rule_norm(
             eps=eps,
         ),
     )
+    return y
+
+
+def _cdr_counters(x, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight):
+    """The per-head norm counters of the fused delta-net step (gdr_dk*_cabn, and the in_proj product's _dr form)
+    when its kernel takes these operands (x the raw conv columns [T, C], a, b [T, Hv], z [T, Hv, dv] views of
+    the projection), else None (the caller takes conv_update then gated_delta_rule_ab_norm)."""
+    if not _cuda_ok(x, conv_ring, conv_weight):
+        return None
+    t, c = x.shape
+    hv, dv = z.shape[1], z.shape[2]
+    q, k, v = reference.split_conv_heads(x, key_heads, z)  # views of the raw columns: what the rule is given
+    n, dk = state_ring.shape[0], q.shape[2]
+    fits = (
+        _gdr_ab_fits(q, k, v, a, b, neg_exp_a, dt_bias, state_ring)
+        and _gdr_norm_fits(v, z, weight)
+        and x.dtype == conv_ring.dtype == conv_weight.dtype
+        and x.stride(1) == 1
+        and conv_ring.is_contiguous()
+        and conv_ring.shape == (n, c, _CDR_K - 1)
+        and conv_weight.is_contiguous()
+        and conv_weight.shape == (c, _CDR_K)
+        and state_ring.shape == (n, hv, dk, dv)
+    )
+    return _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if fits else None
+
+
+def gemv_conv_delta_rule_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    conv_ring: torch.Tensor,
+    conv_weight: torch.Tensor,
+    key_heads: int,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """One launch: the delta-net's packed in_proj product of `variant` and the step after it (the kernel's "_dr"
+    form: the product stored as gemv stores it, then conv_delta_rule_norm's kernel code run by the blocks that
+    finish each key head's columns last), so the result, both rings and the planes are bit for bit gemv(x, w,
+    variant) then conv_delta_rule_norm. A variant that splits K, a block smaller than the rule's, a shape whose
+    tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops."""
+    if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0]:
+        return reference.in_proj_step(
+            gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
+            eps, conv_delta_rule_norm,
+        )  # fmt: skip
+    m, n = x.shape[0], w.shape[0]
+    prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    hv, dk, dv = neg_exp_a.numel(), state_ring.shape[2], state_ring.shape[3]
+    c = conv_weight.shape[0]
+    name, grid, block, smem, _, splits = _gemv_launch(x, w, variant)
+    width = block[0] // 32 * int(name[name.rindex("_c") + 2]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
+    dkp = _gdr_dk_kernel(dk)
+    cnt = gcnt = None
+    if (
+        splits == 1
+        and dkp in _GEMV_DR_DK
+        and block[0] >= dkp
+        and key_heads > 0
+        and hv % key_heads == 0
+        and key_heads * (hv // key_heads * -(-dv // 32) - 1) < _sms(x.device)  # the blocks that may wait at once
+        and n == c + hv * dv + 2 * hv
+        and dk % width == 0
+        and dv % width == 0
+        and (c + hv * dv) % width == 0
+        and _gemv_dr_loaded(x.device, x.dtype, dkp)
+    ):
+        qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
+        cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
+        gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
+    if gcnt is None:  # the two ops
+        return reference.in_proj_step(
+            gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
+            eps, conv_delta_rule_norm,
+        )  # fmt: skip
+    y = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
+    o = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
+    sp, sv = _start_args(start, x.device)
+    r = hv // key_heads
+    tiles = -(-2 * hv // width) + key_heads * (2 * dk + r * dv) // width + hv * dv // width  # b|a, q|k|v, z
+    args = la.GemvDeltaArgs(
+        x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=prod, M=m, N=n, K=x.shape[1], vec_ok=int(_gemv_vec_ok(x, w)),
+        cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
+        ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
+        qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps,
+    )  # fmt: skip
+    _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y
 
 
@@ -1393,21 +1495,22 @@ _GEMV_SIMT_ROWS = (1, 4, 8, 17)  # the row buckets of the CUDA-core kernels (MB:
 _GEMV_SIMT = tuple(f"gemv_simt_m{mb}_c{c}" for mb in _GEMV_SIMT_ROWS for c in (1, 2))
 _GEMV_TC = tuple(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2))
 # The fused projection + residual add + norm (gemv_add_rmsnorm): every kernel above with its "_an" form.
+_GEMV_DR_DK = (64, 128)  # the rule's DK of the in_proj product's fused "_dr" forms (other dk: two launches)
 _GEMV_STEP = 64  # K elements of one tensor-core step; every K split is a multiple of it
 _GEMV_WARPS_PER_SM = 12  # warps the default launch aims for (a memory stream needs many loads in flight)
 _ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 _gemv_text: str | None = None
-_gemv_modules: dict[tuple[int, int], object] = {}
+_gemv_modules: dict[tuple, object] = {}  # (device, kind, DK): DK 0 the plain module, else its _dr forms
 _gemv_fns: dict[tuple[int, int, str], object] = {}
-_gemv_failed: dict[tuple[int, int], str] = {}  # (device, kind) -> why its module did not compile or load
-_gemv_ready: set[tuple[int, int]] = set()  # (device, kind) whose kernels are all loaded
+_gemv_failed: dict[tuple, str] = {}  # (device, kind[, DK]) -> why its module did not compile or load
+_gemv_ready: set[tuple] = set()  # (device, kind) whose kernels are all loaded; (device, kind, DK): the _dr forms
 _capability: dict[int, tuple[int, int]] = {}
 
 
 def _gemv_source() -> str:
     global _gemv_text
     if _gemv_text is None:
-        _gemv_text = _GEMV_SRC.read_text()
+        _gemv_text = expand_includes(_GEMV_SRC)
     return _gemv_text
 
 
@@ -1418,9 +1521,29 @@ def gemv_version() -> str:
     return hashlib.sha256(_gemv_source().encode()).hexdigest()[:12]
 
 
+def _gemv_code(kind: int, dk: int = 0) -> str:
+    return f"#define SCALAR_KIND {kind}\n" + (f"#define GV_DR_DK {dk}\n" if dk else "") + _gemv_source()
+
+
+def module_codes() -> dict[str, str]:
+    """Every module's source as it is compiled, by label: the decode kernels and the gemv kernels per dtype, the
+    gemv module's fused in_proj forms per dtype and rule size, the sampling kernels (tools/precompile_kernels.py
+    compiles them side by side into CuPy's cache, so a first use loads rather than compiles)."""
+    codes = {"sampling": _SAMPLING_SRC.read_text()}
+    for dtype, kind in _KIND.items():
+        label = str(dtype).removeprefix("torch.")
+        codes[f"decode {label}"] = _decode_code(kind)
+        codes[f"gemv {label}"] = _gemv_code(kind)
+        codes |= {f"gemv in_proj DK {dk} {label}": _gemv_code(kind, dk) for dk in _GEMV_DR_DK}
+    return codes
+
+
 def _gemv_function(dev: int, kind: int, name: str):
-    build = lambda: _raw_module(f"#define SCALAR_KIND {kind}\n" + _gemv_source())  # noqa: E731
-    return _load_function(_gemv_fns, (dev, kind, name), _gemv_modules, (dev, kind), dev, name, build)
+    """A kernel of the gemv module of (dev, kind), or, for the in_proj product's fused "_dr{DK}" forms, of that DK's
+    own module (the same source with GV_DR_DK defined: compiled only where a model's delta-net layers use it)."""
+    dk = int(name[name.rindex("_dr") + 3 :]) if "_dr" in name else 0
+    build = lambda: _raw_module(_gemv_code(kind, dk))  # noqa: E731
+    return _load_function(_gemv_fns, (dev, kind, name), _gemv_modules, (dev, kind, dk), dev, name, build)
 
 
 def _dev_index(device: torch.device) -> int:
@@ -1444,6 +1567,29 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
     plain = (*_GEMV_SIMT, *tc)
     silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
     return (*plain, "gemv_combine", *(f"{name}_an" for name in plain), *silu)
+
+
+def _gemv_dr_loaded(device: torch.device, dtype: torch.dtype, dk: int) -> bool:
+    """Whether the in_proj product's fused forms for the rule's DK run here: their module compiled and loaded now
+    (False inside a graph capture when it is not loaded yet: the capture takes the two launches), or not at all
+    (it failed: reported once as a warning)."""
+    dev, kind = _dev_index(device), _KIND[dtype]
+    key = (dev, kind, dk)
+    if key in _gemv_ready:
+        return True
+    if key in _gemv_failed or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        for name in _gemv_names(dtype, device):
+            if name.startswith(("gemv_simt_m", "gemv_tc_t")) and name.count("_") == 3:  # the plain products
+                _gemv_function(dev, kind, f"{name}_dr{dk}")
+    except Exception as exc:  # noqa: BLE001 - any failure means "the two launches"
+        text = str(exc).strip()
+        _gemv_failed[key] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        warnings.warn(f"SpecDeck fused in_proj kernels unavailable ({_gemv_failed[key]})", stacklevel=2)
+        return False
+    _gemv_ready.add(key)
+    return True
 
 
 def gemv_kernels(device: torch.device | str | int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -1827,3 +1973,13 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
             for variant in gemv_variants(m, 40, 1024, dtype, device):
                 gemv(xg, wg, variant)
             gemv(xg[:, 1:], wg[:, 1:])  # unaligned: the scalar loads
+        hk, hv, dv = 1, 2, 64  # the in_proj product's fused form, both rule sizes' code paths
+        for dkk in (64, 128):
+            c = 2 * hk * dkk + hv * dv
+            st = z(4, hv, dkk, dv, device=device, dtype=torch.float32)
+            for variant in ("simt1.w4.s1", "tc2.w4.s1"):
+                gemv_conv_delta_rule_norm(
+                    torch.randn(1, 64, **kw), z(c + hv * dv + 2 * hv, 64, **kw), z(4, c, 3, **kw), z(c, 4, **kw), hk,
+                    z(hv, device=device), z(hv, device=device), st, start, torch.ones(dv, device=device), 1e-6,
+                    variant,
+                )  # fmt: skip

@@ -30,8 +30,18 @@ mtp_prefc = reference.mtp_prefc
 gated_delta_rule_ab = reference.gated_delta_rule_ab
 gated_delta_rule_ab_norm = reference.gated_delta_rule_ab_norm
 conv_delta_rule_norm = reference.conv_delta_rule_norm
+gemv_conv_delta_rule_norm = reference.gemv_conv_delta_rule_norm
 
 _cuda_enabled = False
+
+
+def in_proj_step(prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps):
+    """The delta-net's decode step after its packed in_proj product `prod` (reference.in_proj_step) through the
+    conv_delta_rule_norm bound now (its kernel on a GPU)."""
+    return reference.in_proj_step(
+        prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps,
+        conv_delta_rule_norm,
+    )  # fmt: skip
 
 
 def cuda_enabled() -> bool:

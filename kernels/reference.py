@@ -293,6 +293,60 @@ def split_conv_heads(
     return q.reshape(t, key_heads, dk), k.reshape(t, key_heads, dk), v.reshape(t, hv, dv)
 
 
+def split_in_proj(
+    prod: torch.Tensor, conv_channels: int, value_heads: int, dv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta-net's packed in_proj product [T, C + Hv dv + 2 Hv] as views: the raw conv columns qkv [T, C],
+    the gate z [T, Hv, dv], then b and a [T, Hv] (the order Model._pack concatenates the projections in)."""
+    t = prod.shape[0]
+    qkv, z, b, a = prod.split([conv_channels, value_heads * dv, value_heads, value_heads], dim=-1)
+    return qkv, z.reshape(t, value_heads, dv), b, a
+
+
+def in_proj_step(
+    prod: torch.Tensor,
+    conv_ring: torch.Tensor,
+    conv_weight: torch.Tensor,
+    key_heads: int,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    weight: torch.Tensor,
+    eps: float,
+    step=None,
+) -> torch.Tensor:
+    """The decode step after the in_proj product `prod`: split_in_proj, then `step` (conv_delta_rule_norm's
+    signature; None: the reference) on the views. Hv is neg_exp_a's size, dv the state planes' last dim."""
+    hv, dv = neg_exp_a.numel(), state_ring.shape[-1]
+    qkv, z, b, a = split_in_proj(prod, conv_weight.shape[0], hv, dv)
+    return (step or conv_delta_rule_norm)(
+        qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, start, z, weight, eps
+    )
+
+
+def gemv_conv_delta_rule_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    conv_ring: torch.Tensor,
+    conv_weight: torch.Tensor,
+    key_heads: int,
+    neg_exp_a: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_ring: torch.Tensor,
+    start: Start,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """The delta-net's decode step from its input rows x [T, K]: the packed in_proj product x @ w^T (gemv), then
+    conv_delta_rule_norm of its columns (in_proj_step): y [T, Hv, dv]. One launch on a GPU where a gemv kernel
+    makes the product; `variant` names that kernel's launch and means nothing here."""
+    return in_proj_step(
+        gemv(x, w), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
+    )
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -298,3 +298,128 @@ def test_gemv_silu_mul_unaligned_and_in_a_graph(kc):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, kc.gemv_silu_mul(x_in.clone(), w)), seed
+
+
+# ---- the delta-net's in_proj product + its decode step in one launch (gemv_conv_delta_rule_norm) -------------
+# (key heads, value heads, dk, dv, K): the 9B-like layer, the bundled model's, one value head a key head, a dk
+# that is not a power of two, and one whose heads the tensor-core tiles would straddle (dv 40: two launches).
+DELTA_SHAPES = [(16, 32, 128, 128, 4096), (2, 4, 64, 64, 384), (4, 4, 128, 128, 512), (2, 4, 96, 64, 256),
+                (2, 4, 48, 40, 256)]  # fmt: skip
+DELTA_VARIANTS = ["simt1.w4.s1", "simt1.w8.s1", "simt2.w4.s1", "simt2.w8.s1", "tc1.w4.s1", "tc1.w8.s1",
+                  "tc2.w4.s1", "tc2.w8.s1"]  # fmt: skip
+
+
+def _delta_layer(hk, hv, dk, dv, k, dtype, n_planes=24):
+    c = 2 * hk * dk + hv * dv
+    g = torch.Generator(device=CUDA).manual_seed(hk * 131 + hv * 17 + dk + dv + k)
+
+    def rn(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(*shape, device=CUDA, generator=g) * scale).to(dt)
+
+    return {
+        "w": rn(c + hv * dv + 2 * hv, k, scale=k**-0.5),
+        "conv_w": rn(c, 4, scale=0.5),
+        "conv0": rn(n_planes, c, 3),
+        "state0": rn(n_planes, hv, dk, dv, scale=0.3, dt=torch.float32),
+        "neg_exp_a": -torch.rand(hv, device=CUDA, generator=g).mul(2).add(0.05),
+        "dt_bias": rn(hv, scale=4.0, dt=torch.float32),
+        "norm_w": rn(dv, dt=torch.float32) + 1.0,
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv,k", DELTA_SHAPES)
+def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monkeypatch):
+    """The packed in_proj product and the decode step after it (conv + SiLU, gates, rule, norm) in one launch
+    for every launch variant without K splits and 1, 4 and 17 rows: the output, the conv ring and the rule's
+    planes bit for bit the product's kernel then conv_delta_rule_norm's, the launch's group counters back at
+    zero, and close to the reference. Where its tiles would straddle a head (or the variant splits K), the two
+    launches, with the same result."""
+    lay = _delta_layer(hk, hv, dk, dv, k, dtype)
+    start = torch.tensor([7], device=CUDA)
+    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
+                                lay["norm_w"], 1e-6)  # fmt: skip
+    gcnt_key = ("gdr_in", lay["neg_exp_a"].data_ptr())
+    launched = []
+    real = kc._launch_gemv
+    monkeypatch.setattr(kc, "_launch_gemv", lambda name, *a, **kw: launched.append(name) or real(name, *a, **kw))
+    before = dict(kc.registry.fallbacks())
+    for m in (1, 4, 17):
+        x = rows(m, k, dtype, seed=m + k)
+        for variant in [*DELTA_VARIANTS, "simt2.w4.s2"]:
+            label = f"{m} rows {dtype} {variant} {hk, hv, dk, dv}"
+            conv, state = lay["conv0"].clone(), lay["state0"].clone()
+            launched.clear()
+            y = kc.gemv_conv_delta_rule_norm(x, lay["w"], *step(conv, state), variant)
+            plain = kc._gemv_launch(x, lay["w"], variant)  # (name, grid, block, smem, kchunk, splits)
+            name, block = plain[0], plain[2][0]
+            width = block // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
+            if dk % width == 0 and dv % width == 0 and plain[5] == 1:  # every tile inside one head, no K split
+                assert launched == [f"{plain[0]}_dr{64 if dk <= 64 else 128}"], label
+                assert kc._counters(CUDA, gcnt_key, hk + 2).count_nonzero().item() == 0, label
+            else:
+                assert launched[0] == plain[0] and not any("_dr" in name for name in launched), label
+            conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+            want = ref.in_proj_step(kc.gemv(x, lay["w"], variant), *step(conv2, state2), kc.conv_delta_rule_norm)
+            assert torch.equal(y, want), label
+            assert torch.equal(conv, conv2) and torch.equal(state, state2), label
+        rconv, rstate = lay["conv0"].clone(), lay["state0"].clone()
+        expect = ref.gemv_conv_delta_rule_norm(x, lay["w"], *step(rconv, rstate))
+        close(y, expect, f"{m} rows {dtype} reference")
+    assert kc.registry.fallbacks() == before
+
+
+def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
+    """A captured fused launch replayed with new rows and state equals eager calls each time (its counters are
+    left at zero by every launch), and GemvProducts (what the model calls) takes it (with the tc2.w8.s1 product)
+    for a gemv choice and the two launches for cuBLAS, with the same result as ops.in_proj_step."""
+    from engine.gemm import GemvProducts
+
+    hk, hv, dk, dv, k = 16, 32, 128, 128, 4096
+    lay = _delta_layer(hk, hv, dk, dv, k, torch.bfloat16)
+    start = torch.tensor([3], device=CUDA)
+    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
+                                lay["norm_w"], 1e-6)  # fmt: skip
+    x = rows(1, k, torch.bfloat16, seed=5)
+    x_in, conv_in, state_in = x.clone(), lay["conv0"].clone(), lay["state0"].clone()
+    kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in.clone(), state_in.clone()), "tc2.w8.s1")  # eager
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y_out = kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in, state_in), "tc2.w8.s1")
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale in (0.5, 2.0, 1.0):
+        x_in.copy_(x * scale)
+        conv_in.copy_(lay["conv0"])
+        state_in.copy_(lay["state0"])
+        graph.replay()
+        conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+        want = kc.gemv_conv_delta_rule_norm(x * scale, lay["w"], *step(conv2, state2), "tc2.w8.s1")
+        torch.cuda.synchronize()
+        assert torch.equal(y_out, want) and torch.equal(conv_in, conv2) and torch.equal(state_in, state2), scale
+    from kernels import ops
+
+    was = ops.cuda_enabled()
+    ops.use_cuda_kernels(True)
+    try:
+        products = GemvProducts("cupy", CUDA, torch.bfloat16, None)
+        assert products.ok
+        for choice in ("simt1.w4.s1", "cublas"):
+            products.choices[(lay["w"].shape[0], k, 0)] = choice
+            conv, state = lay["conv0"].clone(), lay["state0"].clone()
+            launched = []
+            real = kc._launch_gemv
+            kc._launch_gemv = lambda name, *a, _l=launched, _r=real, **kw: _l.append(name) or _r(name, *a, **kw)
+            try:
+                y = products.conv_delta_rule_norm(x, lay["w"], *step(conv, state))
+            finally:
+                kc._launch_gemv = real
+            assert launched == (["gemv_tc_t1_c2_dr128"] if choice != "cublas" else []), choice  # tc2.w8.s1
+            conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+            prod = kc.gemv(x, lay["w"], "tc2.w8.s1") if choice != "cublas" else torch.nn.functional.linear(x, lay["w"])
+            want = ops.in_proj_step(prod, *step(conv2, state2))
+            assert torch.equal(y, want) and torch.equal(state, state2) and torch.equal(conv, conv2), choice
+    finally:
+        ops.use_cuda_kernels(was)

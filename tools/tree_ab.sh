@@ -9,6 +9,8 @@
 #        bash tools/tree_ab.sh decode [decode_ab args]      9B-like and bundled decode t/s and launches per token
 #                                                             (bench/decode_ab.py, copied into the older tree),
 #                                                             older, this, older, this
+#        bash tools/tree_ab.sh step [in_proj_step args]     the delta-net's in_proj product + decode step per layer
+#                                                             (bench/in_proj_step.py, copied), older, this, older, this
 #   (carry .device-site)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site CUPY_CACHE_DIR=$PWD/.device-site/cupy-cache
 what=$1; shift
@@ -17,10 +19,12 @@ draft) script=(bench/profile_draft.py) trees=(. .device-site/before .) ;;
 launches) script=(bench/profile_9b.py --no-gemv --no-attention --rounds 20) trees=(. .device-site/before) ;;
 decode) script=(bench/decode_ab.py) trees=(.device-site/before . .device-site/before .)
     cp bench/decode_ab.py .device-site/before/bench/ ;;
-*) echo "usage: bash tools/tree_ab.sh draft|launches|decode [args]"; exit 2 ;;
+step) script=(bench/in_proj_step.py) trees=(.device-site/before . .device-site/before .)
+    cp bench/in_proj_step.py .device-site/before/bench/ ;;
+*) echo "usage: bash tools/tree_ab.sh draft|launches|decode|step [args]"; exit 2 ;;
 esac
 for tree in "${trees[@]}"; do
     echo "== tree $tree"
     timeout 150 python3 "$tree/${script[0]}" "${script[@]:1}" "$@" 2>&1 | grep -v -i warn \
-        | grep -E "^==|cheaper|^ +[0-9.]+ +[0-9.]+  |^9B-like|^bundled" | head -60
+        | grep -E "^==|cheaper|^ +[0-9.]+ +[0-9.]+  |^9B-like|^bundled|rows" | head -60
 done

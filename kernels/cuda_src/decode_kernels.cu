@@ -69,23 +69,13 @@ typedef bf16_t scalar_t;
 typedef f16_t scalar_t;
 #endif
 
+#include "common.cuh"  // read_start, pmod, warp_sum, silu_f
+
 #define NEG_INF __int_as_float(0xff800000)
 #define I32_MAX 0x7fffffff
 
-__device__ __forceinline__ long long read_start(const long long* p, long long v) { return p ? *p : v; }
 __device__ __forceinline__ long long ll_min(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long ll_max(long long a, long long b) { return a > b ? a : b; }
-// Non-negative modulo (start is never negative in practice; this keeps a bad value in bounds).
-__device__ __forceinline__ long long pmod(long long a, long long n) {
-    long long r = a % n;
-    return r < 0 ? r + n : r;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* sh) {
@@ -98,7 +88,6 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
     return warp_sum(r);
 }
 
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
 // The attention output, optionally gated: (out.to(dtype) * sigmoid(gate).to(dtype)).to(dtype) when gate is
 // non-null (element goff of it), else out.to(dtype).
@@ -1246,6 +1235,10 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
     }
 }
 
+// conv_step (conv_update's arithmetic for one token) and the recurrent delta rule (gdr_impl): a header of its own,
+// also compiled into the gemv module (the in_proj product's fused form, gemv_kernels.cu).
+#include "delta_rule.cuh"
+
 // ------------------------------------------------------------------------------------------------
 // conv_update: one thread per channel and run of tokens, sliding window in registers (no races: a
 // thread reads and writes only its own channel). gridDim.y splits the T tokens into runs of
@@ -1254,21 +1247,6 @@ extern "C" __global__ void attn_combine_par(const float* __restrict__ ws_acc, co
 // plane `start` the host made: with several runs, the run that overwrites plane `start` may go first),
 // or, with win NULL (one run), from plane `start` itself, read before this thread writes any plane.
 // ------------------------------------------------------------------------------------------------
-// One token of one channel: silu(conv) of the window and the new raw input xv, rounded to scalar_t, and the
-// window moved on by xv. conv_update and the delta-net step's fused form (gdr_*_cabn) share it, so their bits
-// are the same.
-template <int K>
-__device__ __forceinline__ scalar_t conv_step(float (&win)[K - 1], const float (&wt)[K], float xv) {
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < K - 1; ++i) acc += win[i] * wt[i];
-    acc += xv * wt[K - 1];
-#pragma unroll
-    for (int i = 0; i < K - 2; ++i) win[i] = win[i + 1];
-    win[K - 2] = xv;
-    return from_f<scalar_t>(silu_f(acc));
-}
-
 template <int K, typename W>
 __device__ __forceinline__ void conv_update_impl(const scalar_t* __restrict__ x, long long xs0,
                                                  scalar_t* __restrict__ ring, const scalar_t* __restrict__ win0,
@@ -1326,261 +1304,8 @@ CONV_UPDATE(6)
 CONV_UPDATE(7)
 CONV_UPDATE(8)
 
-// ------------------------------------------------------------------------------------------------
-// gated_delta_rule (recurrent form). Grid (ceil(dv / 32), Hv); block 32 x NS threads: lane = value
-// column within the block's 32, warp = slice of ROWS = DK / NS rows of the dk x dv state. Each thread
-// keeps its ROWS state entries in registers for all T tokens; u = S^T k and o = S^T q are summed over
-// the slices through shared memory. q and k of a chunk of tokens are l2-normalised into shared memory.
-// DK is dk rounded up to a power of two (16 .. 128); rows >= dk are zero and never stored.
-// RAW (the gdr_dk*_ab kernels, op gated_delta_rule_ab): g and beta are the raw projections a and b (scalar_t)
-// and each token's gates are worked out here with gdn_gates' arithmetic (beta rounded to scalar_t as that
-// kernel stores it), so the result equals gdn_gates -> gdr_dk*_bs bit for bit, in one launch instead of two.
-// ------------------------------------------------------------------------------------------------
-#define GDR_TC 16
-
-// The delta-net gates of one (token, head) from the raw projection columns a, b: g = neg_exp_A * softplus(a +
-// dt_bias) in fp32 (softplus threshold 20 as in torch), beta = sigmoid(b) rounded to b's dtype. gdn_gates stores
-// them; the rule's RAW kernels use them directly.
-__device__ __forceinline__ float gdn_log_decay(float a, float dt_bias, float neg_exp_a) {
-    const float x = a + dt_bias;
-    const float sp = x > 20.0f ? x : log1pf(expf(x));
-    return neg_exp_a * sp;
-}
-__device__ __forceinline__ scalar_t gdn_beta(float b) { return from_f<scalar_t>(1.0f / (1.0f + expf(-b))); }
-
-// NORM (the gdr_dk*_abn kernels, op gated_delta_rule_ab_norm): the delta-net's output norm after the rule, in
-// the same launch. Each block counts itself in at its head's counter once its columns of every token are
-// stored; the head's last block (which leaves the counter at zero) norms the head's rows as gated_rmsnorm does
-// with an fp32 weight and a gate of the activation dtype: y = (w * rmsnorm(out).to(dtype)) * silu(z), the sum
-// of squares over the block in a fixed order whatever T is.
-struct GdrNorm {
-    const scalar_t* z;  // the gate rows [T, Hv, dv] at row stride zs0 (heads and columns contiguous)
-    long long zs0;
-    const float* w;     // [dv]
-    scalar_t* y;        // [T, Hv, dv]
-    int* cnt;           // [Hv], zero between launches
-    float eps;
-};
-
-// CONV (the gdr_dk*_cabn kernels, op conv_delta_rule_norm): the delta-net's causal conv + SiLU in the same
-// launch, before the rule. q, k and v are not given: the block works out the conv of the channels it reads from
-// the projection's raw columns x [T, C] (row stride xs0; channels q = kh * dk + d, k = Hk * dk + kh * dk + d,
-// v = 2 Hk dk + h * dv + col), with conv_update's arithmetic (conv_step), into shared memory. The conv ring
-// [n_planes, C, GDR_CONV_K - 1] is read at plane start and written at planes start + 1 .. start + T (T <
-// n_planes): the q and k channels of a key head by one block (column block 0 of the head's first value head),
-// the v channels by the block that owns those columns. The weight cw [C, GDR_CONV_K] has the activation dtype.
-#define GDR_CONV_K 4
-struct GdrConv {
-    const scalar_t* x;
-    long long xs0;
-    scalar_t* ring;
-    const scalar_t* w;
-    int C;
-};
-
-__device__ __forceinline__ void gdr_norm_tail(const scalar_t* out, int T, int Hv, int dv, int h, const GdrNorm& nm) {
-    __shared__ int last;
-    __shared__ float sh[32];
-    __syncthreads();  // the block's columns of every token are stored
-    if (threadIdx.x == 0) {
-        int old;  // release: this block's stores; acquire: the head's other blocks'
-        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(nm.cnt + h) : "memory");
-        last = old == (int)gridDim.x - 1;
-        if (last) nm.cnt[h] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    for (int t = 0; t < T; ++t) {
-        const scalar_t* orow = out + ((long long)t * Hv + h) * dv;
-        float ss = 0.f;
-        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-            const float o = to_f(__ldcg(orow + c));
-            ss += o * o;
-        }
-        const float rs = rsqrtf(block_sum(ss, sh) / (float)dv + nm.eps);
-        const scalar_t* zr = nm.z + t * nm.zs0 + (long long)h * dv;
-        scalar_t* yr = nm.y + ((long long)t * Hv + h) * dv;
-        for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-            const float n = rnd<scalar_t>(to_f(__ldcg(orow + c)) * rs);  // rmsnorm(out).to(dtype)
-            yr[c] = from_f<scalar_t>(nm.w[c] * n * silu_f(to_f(zr[c])));  // fp32 weight: no rounding between
-        }
-    }
-}
-
-template <int DK, typename BT, bool RAW, bool NORM, bool CONV = false>
-__device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
-                                         const scalar_t* __restrict__ k, long long ks0, long long ks1,
-                                         const scalar_t* __restrict__ v, long long vs0, long long vs1,
-                                         const void* __restrict__ g, long long gs0, const void* __restrict__ beta,
-                                         long long bs0, const float* __restrict__ neg_exp_a,
-                                         const float* __restrict__ dt_bias, float* __restrict__ ring,
-                                         scalar_t* __restrict__ out, const long long* start_ptr, long long start_val,
-                                         int T, int Hk, int Hv, int dk, int dv, int n_planes, float qscale,
-                                         const GdrNorm& nm, const GdrConv& cv = GdrConv{}) {
-    constexpr int NS = DK >= 32 ? DK / 32 : 1;
-    constexpr int ROWS = DK / NS;
-    constexpr int EPL = (DK + 31) / 32;
-    __shared__ float s_q[GDR_TC][DK];
-    __shared__ float s_k[GDR_TC][DK];
-    __shared__ float s_u[2][NS][32];
-    __shared__ float s_o[2][NS][32];
-
-    const int lane = threadIdx.x & 31, slice = threadIdx.x >> 5;
-    const int h = blockIdx.y;
-    const int col = blockIdx.x * 32 + lane;
-    const bool active = col < dv;
-    const int kh = h / (Hv / Hk);
-    const long long start = read_start(start_ptr, start_val);
-    const long long plane = (long long)Hv * dk * dv;
-    const long long head_off = (long long)h * dk * dv;
-    const int r0 = slice * ROWS;
-
-    float S[ROWS];
-    {
-        const float* sin_ = ring + pmod(start, n_planes) * plane + head_off;
-#pragma unroll
-        for (int i = 0; i < ROWS; ++i) {
-            const int r = r0 + i;
-            S[i] = (active && r < dk) ? sin_[(long long)r * dv + col] : 0.f;
-        }
-    }
-    // CONV: thread tid < dk owns q channel tid and k channel tid of key head kh; lanes of slice 0 own the v
-    // channel of their column. Their windows and weights stay in registers over every token.
-    constexpr int CK = GDR_CONV_K;
-    __shared__ float s_v[CONV ? GDR_TC : 1][32];
-    const int tid = threadIdx.x;
-    const bool own_qk = CONV && tid < dk, own_v = CONV && slice == 0 && active;
-    const bool write_qk = own_qk && blockIdx.x == 0 && h % (Hv / Hk) == 0;
-    const long long cplane = (long long)cv.C * (CK - 1);
-    const int cq = kh * dk + tid, ck = Hk * dk + kh * dk + tid, cvc = 2 * Hk * dk + h * dv + col;
-    float wq[CK - 1], wk[CK - 1], wvv[CK - 1], tq[CK], tk[CK], tv[CK];
-    if (CONV) {
-        const scalar_t* rp = cv.ring + pmod(start, n_planes) * cplane;
-#pragma unroll
-        for (int i = 0; i < CK - 1; ++i) {
-            wq[i] = own_qk ? to_f(rp[(long long)cq * (CK - 1) + i]) : 0.f;
-            wk[i] = own_qk ? to_f(rp[(long long)ck * (CK - 1) + i]) : 0.f;
-            wvv[i] = own_v ? to_f(rp[(long long)cvc * (CK - 1) + i]) : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < CK; ++i) {
-            tq[i] = own_qk ? to_f(cv.w[(long long)cq * CK + i]) : 0.f;
-            tk[i] = own_qk ? to_f(cv.w[(long long)ck * CK + i]) : 0.f;
-            tv[i] = own_v ? to_f(cv.w[(long long)cvc * CK + i]) : 0.f;
-        }
-    }
-
-    for (int t0 = 0; t0 < T; t0 += GDR_TC) {
-        const int tc = T - t0 < GDR_TC ? T - t0 : GDR_TC;
-        __syncthreads();  // the previous chunk's q/k are no longer read
-        if (CONV) {  // the chunk's conv outputs (rounded as conv_update stores them) into s_q, s_k, s_v
-            for (int tt = 0; tt < tc; ++tt) {
-                const long long xrow = (long long)(t0 + tt) * cv.xs0;
-                scalar_t* wp = cv.ring + pmod(start + t0 + tt + 1, n_planes) * cplane;
-                if (own_qk) {
-                    s_q[tt][tid] = to_f(conv_step<CK>(wq, tq, to_f(cv.x[xrow + cq])));
-                    s_k[tt][tid] = to_f(conv_step<CK>(wk, tk, to_f(cv.x[xrow + ck])));
-                    if (write_qk) {
-#pragma unroll
-                        for (int i = 0; i < CK - 1; ++i) {
-                            wp[(long long)cq * (CK - 1) + i] = from_f<scalar_t>(wq[i]);
-                            wp[(long long)ck * (CK - 1) + i] = from_f<scalar_t>(wk[i]);
-                        }
-                    }
-                }
-                if (own_v) {
-                    s_v[tt][lane] = to_f(conv_step<CK>(wvv, tv, to_f(cv.x[xrow + cvc])));
-#pragma unroll
-                    for (int i = 0; i < CK - 1; ++i) wp[(long long)cvc * (CK - 1) + i] = from_f<scalar_t>(wvv[i]);
-                }
-            }
-            __syncthreads();
-        }
-        for (int tt = slice; tt < tc; tt += NS) {
-            const int t = t0 + tt;
-            const scalar_t* qr = q + t * qs0 + kh * qs1;
-            const scalar_t* kr = k + t * ks0 + kh * ks1;
-            float qa[EPL], ka[EPL];
-            float sq = 0.f, sk = 0.f;
-#pragma unroll
-            for (int i = 0; i < EPL; ++i) {
-                const int d = i * 32 + lane;
-                if (CONV) {
-                    qa[i] = d < dk ? s_q[tt][d] : 0.f;
-                    ka[i] = d < dk ? s_k[tt][d] : 0.f;
-                } else {
-                    qa[i] = d < dk ? to_f(qr[d]) : 0.f;
-                    ka[i] = d < dk ? to_f(kr[d]) : 0.f;
-                }
-                sq += qa[i] * qa[i];
-                sk += ka[i] * ka[i];
-            }
-            sq = warp_sum(sq);
-            sk = warp_sum(sk);
-            const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);  // l2norm, eps 1e-6
-#pragma unroll
-            for (int i = 0; i < EPL; ++i) {
-                const int d = i * 32 + lane;
-                if (d < DK) {
-                    s_q[tt][d] = (qa[i] * rq) * qscale;  // l2norm(q) * dk^-0.5
-                    s_k[tt][d] = ka[i] * rk;
-                }
-            }
-        }
-        __syncthreads();
-        for (int tt = 0; tt < tc; ++tt) {
-            const int t = t0 + tt;
-            const int buf = t & 1;
-            float eg, bt;
-            if (RAW) {
-                eg = expf(gdn_log_decay(to_f(static_cast<const scalar_t*>(g)[t * gs0 + h]), dt_bias[h], neg_exp_a[h]));
-                bt = to_f(gdn_beta(to_f(static_cast<const scalar_t*>(beta)[t * bs0 + h])));
-            } else {
-                eg = expf(static_cast<const float*>(g)[t * gs0 + h]);
-                bt = to_f(static_cast<const BT*>(beta)[t * bs0 + h]);
-            }
-            const float vv = !active ? 0.f : CONV ? s_v[tt][lane] : to_f(v[t * vs0 + h * vs1 + col]);
-            float u = 0.f;
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) {
-                S[i] *= eg;                       // S = exp(g) * S
-                u += S[i] * s_k[tt][r0 + i];      // u = S^T k
-            }
-            if (NS > 1) {
-                s_u[buf][slice][lane] = u;
-                __syncthreads();
-                u = 0.f;
-#pragma unroll
-                for (int z = 0; z < NS; ++z) u += s_u[buf][z][lane];
-            }
-            const float delta = bt * (vv - u);
-            float o = 0.f;
-#pragma unroll
-            for (int i = 0; i < ROWS; ++i) {
-                S[i] += s_k[tt][r0 + i] * delta;  // S += k (beta (v - u))^T
-                o += S[i] * s_q[tt][r0 + i];      // o = S^T q
-            }
-            if (NS > 1) {
-                s_o[buf][slice][lane] = o;
-                __syncthreads();
-                o = 0.f;
-#pragma unroll
-                for (int z = 0; z < NS; ++z) o += s_o[buf][z][lane];
-            }
-            if (active) {
-                if (slice == 0) out[((long long)t * Hv + h) * dv + col] = from_f<scalar_t>(o);
-                float* sout = ring + pmod(start + t + 1, n_planes) * plane + head_off;
-#pragma unroll
-                for (int i = 0; i < ROWS; ++i) {
-                    const int r = r0 + i;
-                    if (r < dk) sout[(long long)r * dv + col] = S[i];
-                }
-            }
-        }
-    }
-    if (NORM) gdr_norm_tail(out, T, Hv, dv, h, nm);
-}
-
+// The standalone kernels: a block is column block blockIdx.x of value head blockIdx.y (gdr_impl's `at`).
+#define GDR_AT GdrAt{(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x}
 #define GDR(DK)                                                                                              \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_bs(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1590,7 +1315,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
         gdr_impl<DK, scalar_t, false, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0,       \
                                              nullptr, nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv,         \
-                                             n_planes, qscale, GdrNorm{});                                   \
+                                             n_planes, qscale, GDR_AT, GdrNorm{});                           \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_bf(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1600,7 +1325,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                         int n_planes, float qscale) { PDL_ENTER();                                                        \
         gdr_impl<DK, float, false, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, g, gs0, beta, bs0, nullptr, \
                                           nullptr, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale,   \
-                                          GdrNorm{});                                                        \
+                                          GDR_AT, GdrNorm{});                                                \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_ab(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,   \
@@ -1611,7 +1336,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
         PDL_ENTER();                                                                                         \
         gdr_impl<DK, scalar_t, true, false>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0,           \
                                             neg_exp_a, dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv,        \
-                                            n_planes, qscale, GdrNorm{});                                    \
+                                            n_planes, qscale, GDR_AT, GdrNorm{});                            \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__((DK >= 32 ? DK : 32))                                      \
         gdr_dk##DK##_abn(const scalar_t* q, long long qs0, long long qs1, const scalar_t* k, long long ks0,  \
@@ -1624,7 +1349,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
         PDL_ENTER();                                                                                         \
         gdr_impl<DK, scalar_t, true, true>(q, qs0, qs1, k, ks0, ks1, v, vs0, vs1, a, as0, b, bs0, neg_exp_a, \
                                            dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv, n_planes, qscale,  \
-                                           GdrNorm{z, zs0, nw, y, cnt, eps});                                \
+                                           GDR_AT, GdrNorm{z, zs0, nw, y, cnt, eps});                        \
     }
 GDR(16)
 GDR(32)
@@ -1644,7 +1369,7 @@ GDR(128)
         PDL_ENTER();                                                                                         \
         gdr_impl<DK, scalar_t, true, true, true>(nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, a, as0, b, bs0,  \
                                                  neg_exp_a, dt_bias, ring, out, sp, sv, T, Hk, Hv, dk, dv,     \
-                                                 n_planes, qscale, GdrNorm{z, zs0, nw, y, cnt, eps},          \
+                                                 n_planes, qscale, GDR_AT, GdrNorm{z, zs0, nw, y, cnt, eps}, \
                                                  GdrConv{x, xs0, cring, cw, C});                              \
     }
 GDR_CABN(16)

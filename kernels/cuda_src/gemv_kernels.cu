@@ -447,18 +447,19 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 
 // EPI: the fused add + norm after the product (gv_add_norm; part given, out unused). SM: the activation form
 // (one output column a warp).
+// bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
 template <int MB, int C, bool EPI, bool SM>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                        int N, int K, int kchunk, int vec_ok, const GvEpi& epi) {
+                                        int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx) {
     const int nw = blockDim.x >> 5;
     constexpr int OC = SM ? 1 : C;  // output columns a warp
-    const long long n0 = ((long long)blockIdx.x * nw + (threadIdx.x >> 5)) * OC;
+    const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
         gv_simt_cols<MB, C, SM>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0);
     else
         PDL_WAIT();
-    if (EPI) gv_add_norm(part, gridDim.y, M, N, (long long)blockIdx.x * nw * C, nw * C, epi);
+    if (EPI) gv_add_norm(part, gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
 }
 
 #define GEMV_SIMT(GV_MB, GV_C)                                                                                    \
@@ -467,7 +468,8 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
                                      long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,   \
                                      int N, int K, int kchunk, int vec_ok) {                                       \
         PDL_TRIGGER();                                                                                            \
-        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, GvEpi{});          \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, GvEpi{},           \
+                                            blockIdx.x);                                                         \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_an(             \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
@@ -476,7 +478,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         int* __restrict__ cnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
         gv_simt<GV_MB, GV_C, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                 \
-                                          GvEpi{r, rs, nw, y, s, cnt, eps});                                      \
+                                          GvEpi{r, rs, nw, y, s, cnt, eps}, blockIdx.x);                         \
     }
 // The activation form: C = 2 only (a warp's gate and up rows).
 #define GEMV_SIMT_SM(GV_MB)                                                                                       \
@@ -484,8 +486,9 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok) {                                            \
         PDL_TRIGGER();                                                                                            \
-        gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{});                \
+        gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{}, blockIdx.x);    \
     }
+#ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
 GEMV_SIMT(4, 1)
@@ -498,6 +501,7 @@ GEMV_SIMT_SM(1)
 GEMV_SIMT_SM(4)
 GEMV_SIMT_SM(8)
 GEMV_SIMT_SM(17)
+#endif
 
 // ---- tensor-core kernel (bf16 / fp16, sm_80+) -------------------------------------------------------------
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -540,15 +544,15 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 template <int MT, int CT, bool EPI, bool SM>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk, const GvEpi& epi) {
+                                      int N, int K, int kchunk, const GvEpi& epi, int bx) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = CT == 1 ? 2 : 1;  // K steps in flight per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
     extern __shared__ float gv_red[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const long long nb = (long long)blockIdx.x * (16 * CT);
-    const long long ob = (long long)blockIdx.x * (8 * CT);
+    const long long nb = (long long)bx * (16 * CT);
+    const long long ob = (long long)bx * (8 * CT);
     const int s = blockIdx.y;
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
@@ -682,7 +686,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
                                     int N, int K, int kchunk, int vec_ok) {                                        \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, GvEpi{});                   \
+        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, part, M, N, K, kchunk, GvEpi{}, blockIdx.x);       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_an(              \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
@@ -692,24 +696,27 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         gv_tc<GV_MT, GV_CT, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk,                          \
-                                         GvEpi{r, rs, nw, y, s, cnt, eps});                                       \
+                                         GvEpi{r, rs, nw, y, s, cnt, eps}, blockIdx.x);                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_sm(              \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok) {                                            \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{});                      \
+        gv_tc<GV_MT, GV_CT, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, blockIdx.x);          \
     }
+#ifndef GV_DR_DK
 GEMV_TC(1, 1)
 GEMV_TC(2, 1)
 GEMV_TC(3, 1)
 GEMV_TC(1, 2)
 GEMV_TC(2, 2)
 GEMV_TC(3, 2)
+#endif
 
 // ---- split-K combine ----------------------------------------------------------------------------------------
 // out[i] = sum over s of part[s * MN + i], in split order, rounded once. grid ceil(MN / 256), block 256.
+#ifndef GV_DR_DK
 extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t* __restrict__ out, int S, int MN) {
     PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -718,3 +725,244 @@ extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t
     for (int s = 0; s < S; ++s) sum += part[(long long)s * MN + i];
     out[i] = gv_out(sum);
 }
+#endif
+
+// ---- the delta-net's in_proj product and its decode step in one launch (op gemv_conv_delta_rule_norm) ------
+// gemv_{simt_m{MB}_c{C},tc_t{MT}_c{CT}}_dr{DK} (GemvDeltaArgs): the packed in_proj product [M, N] = x @ W^T (N =
+// C + Hv dv + 2 Hv: the conv channels q | k | v, then z, b, a), stored in `out` exactly as the plain launch of
+// that variant stores it (no K split), and the step conv_delta_rule_norm makes of it (delta_rule.cuh's gdr_impl
+// with CONV, then gdr_norm_rows: the same code as gdr_dk{DK}_cabn, so the same bits), run by blocks of this launch:
+//  - Tiles of `width` columns (the variant's: warps * C or 16 CT) are taken in the rule's order (gv_dr_tile):
+//    first the b | a tiles, then per key head g (a "group") its q and k columns and the v columns of its r =
+//    Hv / Hk value heads, and last the z columns of every head (the gate only the norm at the very end reads: the
+//    rule runs while they are made). A tile lies in one group or one head's z (width divides dk and dv).
+//  - A block that has stored its tile counts itself in at its group's counter (gcnt[g]; the b | a tiles at
+//    gcnt[Hk]). The group's P = r * ceil(dv / 32) pieces of the rule (a value head's 32 columns each: one
+//    gdr_dk*_cabn block without its norm) are run by the last P blocks to count in (the arrival order, not the
+//    block index): each waits until the group's tiles and the b | a tiles are all counted, then runs its piece on
+//    its first DK threads (gdr_impl's barriers are then named barriers over those threads). With fewer tiles than
+//    pieces, the last block runs the rest.
+//  - A value head's norm needs its ceil(dv / 32) pieces and its dv / width z tiles: each counts in at the head's
+//    counter (ncnt[h]) when done, and whichever comes last norms the head's rows (no waiting).
+//  - Deadlock-free whatever order the blocks are scheduled in: a block waits only after its own tile is stored,
+//    at most P - 1 per group wait at once, and kernels/cuda.py launches this form only where Hk (P - 1) is below
+//    the SM count (fewer than the blocks the GPU holds at once), so a block whose tile is missing always finds
+//    room to run. The last piece to finish (gcnt[Hk + 1] counts them) leaves the group counters at zero, the last
+//    arrival at a head's counter leaves it at zero.
+// The rule and the norm read the stored columns with L1-bypassing loads (gdr_ld<true>): other blocks of this
+// launch wrote them.
+
+// What delta_rule.cuh needs, on this module's 16-bit patterns (the same roundings as decode_kernels.cu's).
+__device__ __forceinline__ float to_f(float v) { return v; }
+#if SCALAR_KIND != 0
+__device__ __forceinline__ float to_f(scalar_t v) { return gv_f(v); }
+#endif
+template <typename T> __device__ __forceinline__ T from_f(float f);
+template <> __device__ __forceinline__ scalar_t from_f<scalar_t>(float f) { return gv_out(f); }
+#if SCALAR_KIND != 0
+template <> __device__ __forceinline__ float from_f<float>(float f) { return f; }
+#endif
+template <typename T> __device__ __forceinline__ float rnd(float f) { return to_f(from_f<T>(f)); }
+
+#include "common.cuh"
+#include "delta_rule.cuh"
+
+// The first column of tile bx in the rule's order, and what it holds: group >= 0, the q | k | v columns of key
+// head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group.
+__device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk, int Hv, int dk, int dv,
+                                                int& group) {
+    const int r = Hv / Hk;
+    const int n_ab = (2 * Hv + width - 1) / width;
+    if (bx < n_ab) {
+        group = -1;
+        return (long long)C + (long long)Hv * dv + (long long)bx * width;
+    }
+    const int per = (2 * dk + r * dv) / width;
+    const int b = bx - n_ab;
+    if (b >= Hk * per) {  // z, head by head
+        const long long zc = (long long)(b - Hk * per) * width;
+        group = -2 - (int)(zc / dv);
+        return (long long)C + zc;
+    }
+    const int g = b / per, j = (b % per) * width;
+    group = g;
+    if (j < dk) return (long long)g * dk + j;                              // q of key head g
+    if (j < 2 * dk) return (long long)Hk * dk + (long long)g * dk + (j - dk);  // k
+    return 2LL * Hk * dk + (long long)g * r * dv + (j - 2 * dk);              // v of its value heads
+}
+
+// Thread 0 waits until *c >= target (acquire: what the blocks counted in there stored is visible after).
+__device__ __forceinline__ void gv_wait_count(const int* c, int target) {
+    for (;;) {
+        int v;
+        asm volatile("ld.acquire.gpu.s32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) return;
+        __nanosleep(100);
+    }
+}
+
+// The rule's operands (the kernel's parameters after the product's).
+struct GvDr {
+    scalar_t* cring;
+    const scalar_t* cw;
+    int C;
+    const float* neg_exp_a;
+    const float* dt_bias;
+    float* ring;
+    scalar_t* o;
+    const long long* sp;
+    long long sv;
+    int Hk, Hv, dk, dv, n_planes;
+    float qscale;
+    const float* nw;
+    scalar_t* y;
+    int* ncnt;
+    int* gcnt;
+    float eps;
+};
+
+// One piece of the rule (value head h, column block cb) on the block's first NT threads, without the norm.
+// (Inlined: as a call the rule takes ~240 registers, which would leave the product one block per SM.)
+template <int DK, int NT>
+__device__ __forceinline__ void gv_dr_piece(int cb, int h, int ncb, const scalar_t* prod, int M, int N, const GvDr& d) {
+    const long long ab = (long long)d.C + (long long)d.Hv * d.dv;  // b's first column; a's is Hv further
+    gdr_impl<DK, scalar_t, true, false, true, NT, true>(
+        nullptr, 0, 0, nullptr, 0, 0, nullptr, 0, 0, prod + ab + d.Hv, N, prod + ab, N, d.neg_exp_a, d.dt_bias,
+        d.ring, d.o, d.sp, d.sv, M, d.Hk, d.Hv, d.dk, d.dv, d.n_planes, d.qscale, GdrAt{cb, h, ncb}, GdrNorm{},
+        GdrConv{prod, N, d.cring, d.cw, d.C});
+}
+
+// After the block's stores (a piece's rule output or a z tile of head h) are done: count in at the head's norm
+// counter (of `of` arrivals); the last norms the head's rows on its first NT threads.
+template <int DK>
+__device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t* prod, int M, int N, const GvDr& d) {
+    constexpr int NT = DK >= 32 ? DK : 32;  // the threads of a gdr_dk{DK}_cabn block, which norms with as many
+    __shared__ int s_last;
+    __syncthreads();  // the block's stores are done
+    if (threadIdx.x == 0) {
+        int old;  // release: this block's stores; acquire: the other arrivals'
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(d.ncnt + h) : "memory");
+        s_last = old == of - 1;
+        if (s_last) d.ncnt[h] = 0;
+    }
+    __syncthreads();
+    if (!s_last || threadIdx.x >= NT) return;
+    const GdrNorm nm{prod + d.C, N, d.nw, d.y, d.ncnt, d.eps};
+    const float z0 = (int)threadIdx.x < d.dv ? to_f(gdr_ld<true>(nm.z + (long long)h * d.dv + threadIdx.x)) : 0.f;
+    gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
+}
+
+// Called by every thread once the block's tile (of `group`, gv_dr_tile) of the product is stored in prod [M, N].
+template <int DK>
+__device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t* prod, int M, int N, const GvDr& d) {
+    constexpr int NT = DK >= 32 ? DK : 32;  // the threads of a gdr_dk{DK}_cabn block
+    __shared__ int s_first;
+    const int r = d.Hv / d.Hk, ncb = (d.dv + 31) / 32, P = r * ncb;
+    const int n_g = (2 * d.dk + r * d.dv) / width, n_ab = (2 * d.Hv + width - 1) / width;
+    const int norm_of = ncb + d.dv / width;  // a head's pieces and z tiles
+    if (group <= -2) {
+        gv_dr_norm_arrive<DK>(-2 - group, norm_of, prod, M, N, d);
+        return;
+    }
+    __syncthreads();  // the block's stores of its tile are done
+    if (threadIdx.x == 0) {
+        int old;  // release: this block's tile; acquire: nothing yet (the wait below)
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;"
+                     : "=r"(old)
+                     : "l"(d.gcnt + (group < 0 ? d.Hk : group))
+                     : "memory");
+        const int first = group < 0 ? -1 : old - (n_g - P);  // >= 0: one of the group's last P blocks
+        if (first >= 0) {
+            gv_wait_count(d.gcnt + group, n_g);
+            gv_wait_count(d.gcnt + d.Hk, n_ab);
+        }
+        s_first = first;
+    }
+    __syncthreads();
+    const int first = s_first;
+    if (first < 0) return;
+    int ran = 0;
+    for (int p = first; p >= 0; p -= n_g) {  // piece `first`, and with fewer tiles than pieces every n_g-th below
+        const int h = group * r + p / ncb;
+        if (threadIdx.x < NT) gv_dr_piece<DK, NT>(p % ncb, h, ncb, prod, M, N, d);
+        gv_dr_norm_arrive<DK>(h, norm_of, prod, M, N, d);
+        ++ran;
+        __syncthreads();  // the piece's shared memory is free again
+    }
+    if (threadIdx.x == 0) {
+        int old;  // the launch's last piece leaves the group counters at zero for the next launch
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;"
+                     : "=r"(old)
+                     : "l"(d.gcnt + d.Hk + 1), "r"(ran)
+                     : "memory");
+        if (old + ran == d.Hk * P)
+            for (int i = 0; i <= d.Hk + 1; ++i) d.gcnt[i] = 0;
+    }
+}
+
+#define GEMV_SIMT_DR(GV_MB, GV_C, DK)                                                                            \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_dr##DK(       \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
+        const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
+        long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
+        int* ncnt, int* gcnt, float eps) {                                                                       \
+        PDL_TRIGGER();                                                                                            \
+        const int width = (blockDim.x >> 5) * GV_C;                                                              \
+        int group;                                                                                               \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{},             \
+                                           (int)(n0 / width));                                                   \
+        gv_dr_after<DK>(group, width, out, M, N,                                                                 \
+                        GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
+                             nw, y, ncnt, gcnt, eps});                                                           \
+    }
+#define GEMV_TC_DR(GV_MT, GV_CT, DK)                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_dr##DK(        \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
+        const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
+        long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
+        int* ncnt, int* gcnt, float eps) {                                                                       \
+        PDL_TRIGGER();                                                                                            \
+        (void)vec_ok;                                                                                             \
+        const int width = 16 * GV_CT;                                                                            \
+        int group;                                                                                               \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
+        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, (int)(n0 / width));  \
+        gv_dr_after<DK>(group, width, out, M, N,                                                                 \
+                        GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
+                             nw, y, ncnt, gcnt, eps});                                                           \
+    }
+// GV_DR_DK: the module of the _dr forms for that DK (kernels/cuda.py compiles one per DK on first use).
+#if GV_DR_DK == 64
+GEMV_SIMT_DR(1, 1, 64)
+GEMV_SIMT_DR(1, 2, 64)
+GEMV_SIMT_DR(4, 1, 64)
+GEMV_SIMT_DR(4, 2, 64)
+GEMV_SIMT_DR(8, 1, 64)
+GEMV_SIMT_DR(8, 2, 64)
+GEMV_SIMT_DR(17, 1, 64)
+GEMV_SIMT_DR(17, 2, 64)
+GEMV_TC_DR(1, 1, 64)
+GEMV_TC_DR(2, 1, 64)
+GEMV_TC_DR(3, 1, 64)
+GEMV_TC_DR(1, 2, 64)
+GEMV_TC_DR(2, 2, 64)
+GEMV_TC_DR(3, 2, 64)
+#elif GV_DR_DK == 128
+GEMV_SIMT_DR(1, 1, 128)
+GEMV_SIMT_DR(1, 2, 128)
+GEMV_SIMT_DR(4, 1, 128)
+GEMV_SIMT_DR(4, 2, 128)
+GEMV_SIMT_DR(8, 1, 128)
+GEMV_SIMT_DR(8, 2, 128)
+GEMV_SIMT_DR(17, 1, 128)
+GEMV_SIMT_DR(17, 2, 128)
+GEMV_TC_DR(1, 1, 128)
+GEMV_TC_DR(2, 1, 128)
+GEMV_TC_DR(3, 1, 128)
+GEMV_TC_DR(1, 2, 128)
+GEMV_TC_DR(2, 2, 128)
+GEMV_TC_DR(3, 2, 128)
+#endif
