@@ -423,3 +423,84 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
             assert torch.equal(y, want) and torch.equal(state, state2) and torch.equal(conv, conv2), choice
     finally:
         ops.use_cuda_kernels(was)
+
+
+# ---- the attention layer's q|gate, k, v product + attn_prep in one launch (gemv_attn_prep) -------------------------
+# (q heads, kv heads, D, K): the 9B-like layer, the bundled model's, and a D the tensor-core tiles of 32 do not divide.
+PREP_SHAPES = [(16, 4, 256, 4096), (6, 2, 64, 384), (4, 2, 48, 256)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,k", PREP_SHAPES)
+def test_gemv_attn_prep_one_launch(kc, dtype, hq, hkv, d, k, monkeypatch):
+    """The packed q|gate, k, v product and attn_prep in one launch, for every variant without K splits and 1, 4
+    and 17 rows: the prepared q, both caches and the product bit for bit gemv then attn_prep, the head counters
+    back at zero, a tile wider than a head (or a K split) the two launches, and close to the reference."""
+    g = torch.Generator(device=CUDA).manual_seed(hq + hkv + d + k)
+    n = (2 * hq + 2 * hkv) * d
+    w = (torch.randn(n, k, device=CUDA, generator=g) * k**-0.5).to(dtype)
+    qnw = (torch.randn(d, device=CUDA, generator=g) * 0.1).to(dtype)
+    knw = torch.randn(d, device=CUDA, generator=g) * 0.1
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d // 4, 2, device=CUDA, dtype=torch.float32) / (d // 4)))
+    ctx, start = 64, torch.tensor([9], device=CUDA)
+    kc0 = torch.randn(ctx, hkv, d, device=CUDA, generator=g).to(dtype)
+    vc0 = torch.randn(ctx, hkv, d, device=CUDA, generator=g).to(dtype)
+    launched = []
+    real = kc._launch_gemv
+    monkeypatch.setattr(kc, "_launch_gemv", lambda name, *a, **kw: launched.append(name) or real(name, *a, **kw))
+    before = dict(kc.registry.fallbacks())
+    for m in (1, 4, 17):
+        x = rows(m, k, dtype, seed=m + d)
+        for variant in [*DELTA_VARIANTS, "simt2.w4.s2"]:
+            label = f"{m} rows {dtype} {variant} {hq, hkv, d}"
+            kc1, vc1 = kc0.clone(), vc0.clone()
+            launched.clear()
+            q, prod = kc.gemv_attn_prep(x, w, qnw, knw, 1e-6, inv_freq, kc1, vc1, start, hq, variant)
+            name, _, block, _, _, splits = kc._gemv_launch(x, w, variant)
+            width = block[0] // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
+            if d % width == 0 and splits == 1:
+                assert launched == [f"{name}_ap"], label
+                assert kc._counters(CUDA, ("ap", w.data_ptr()), hq + hkv).count_nonzero().item() == 0, label
+            else:
+                assert not any(n_.endswith("_ap") for n_ in launched), label
+            kc2, vc2 = kc0.clone(), vc0.clone()
+            prod2 = kc.gemv(x, w, variant)
+            q2 = ref.qkv_prep(prod2, qnw, knw, 1e-6, inv_freq, kc2, vc2, start, hq, kc.attn_prep)
+            assert torch.equal(prod, prod2) and torch.equal(q, q2), label
+            assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), label
+        kr, vr = kc0.clone(), vc0.clone()
+        qr, prodr = ref.gemv_attn_prep(x, w, qnw, knw, 1e-6, inv_freq, kr, vr, 9, hq)
+        close(q, qr, f"{m} rows {dtype} q")
+        close(kc1, kr, f"{m} rows {dtype} k cache")
+    assert kc.registry.fallbacks() == before
+
+
+def test_gemv_attn_prep_in_a_graph(kc):
+    """A captured fused launch replayed with new rows and a new start equals eager calls each time."""
+    hq, hkv, d, k = 16, 4, 256, 4096
+    dtype = torch.bfloat16
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    w = (torch.randn((2 * hq + 2 * hkv) * d, k, device=CUDA, generator=g) * k**-0.5).to(dtype)
+    qnw, knw = torch.randn(d, device=CUDA, generator=g) * 0.1, torch.randn(d, device=CUDA, generator=g) * 0.1
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d // 4, 2, device=CUDA, dtype=torch.float32) / (d // 4)))
+    kc0 = torch.zeros(32, hkv, d, device=CUDA, dtype=dtype)
+    x = rows(1, k, dtype, seed=3)
+    x_in, start, k_in, v_in = x.clone(), torch.tensor([2], device=CUDA), kc0.clone(), kc0.clone()
+    kc.gemv_attn_prep(x_in, w, qnw, knw, 1e-6, inv_freq, k_in.clone(), v_in.clone(), start, hq, "simt1.w4.s1")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            q_out, _ = kc.gemv_attn_prep(x_in, w, qnw, knw, 1e-6, inv_freq, k_in, v_in, start, hq, "simt1.w4.s1")
+    torch.cuda.current_stream().wait_stream(stream)
+    for scale, pos in ((0.5, 5), (2.0, 11), (1.0, 2)):
+        x_in.copy_(x * scale)
+        start.fill_(pos)
+        k_in.copy_(kc0)
+        v_in.copy_(kc0)
+        graph.replay()
+        k2, v2 = kc0.clone(), kc0.clone()
+        want, _ = kc.gemv_attn_prep(x * scale, w, qnw, knw, 1e-6, inv_freq, k2, v2, pos, hq, "simt1.w4.s1")
+        torch.cuda.synchronize()
+        assert torch.equal(q_out, want) and torch.equal(k_in, k2) and torch.equal(v_in, v2), scale
