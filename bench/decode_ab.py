@@ -7,8 +7,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
-same process and with the same gemm choices, interleaved (one, two, one, two); --prep-ab the same for the attention
-layers' qkv product and attn_prep (Model.fuse_prep), on the 9B-like model.
+same process and with the same gemm choices, interleaved (one, two, one, two).
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ def main() -> int:
     ap.add_argument("--model", default="assets/models/specdeck-tiny")
     ap.add_argument("--att-combine", default=None, help="kernels.cuda _ATT_COMBINE for this run (fold, par)")
     ap.add_argument("--rule-ab", action="store_true", help="A/B the in_proj product + delta step fusion")
-    ap.add_argument("--prep-ab", action="store_true", help="A/B the qkv product + attn_prep fusion (9B-like only)")
     a = ap.parse_args()
     if a.att_combine is not None:
         from kernels import cuda as kc
@@ -78,10 +76,9 @@ def main() -> int:
     eng = random_9b_engine()
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
-    knob, what = ("fuse_prep", "qkv + attn_prep") if a.prep_ab else ("fuse_rule", "in_proj + step")
-    for fused in (True, False, True, False) if a.rule_ab or a.prep_ab else (True,):
-        setattr(eng.model, knob, fused)
-        tag = "" if not (a.rule_ab or a.prep_ab) else f" [{what}: {'one launch' if fused else 'two launches'}]"
+    for fused in (True, False, True, False) if a.rule_ab else (True,):
+        eng.model.fuse_rule = fused
+        tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
         tps, _ = median_tps(eng, target, a.n, a.reps)
         print(f"9B-like target-only, gemm auto{tag}: {tps:.1f} t/s")
         print(f"9B-like launches per token, gemm auto{tag}: {launches_per_token(eng, target):.1f}")

@@ -191,19 +191,6 @@ class GemvProducts:
                 return ops.in_proj_step(ops.gemv(x, w, choice), *step)
         return ops.in_proj_step(self(x, w), *step)
 
-    def attn_prep(
-        self, x, w, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention layer's input from its rows: (ops.qkv_prep(self(x, w), ...), the product), one fused launch
-        where the product runs a gemv kernel (ops.gemv_attn_prep: the same bits as the product then attn_prep)."""
-        prep = (q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads)
-        if self.takes(x, w):
-            choice = self.choice(x.shape[0], w)
-            if choice != "cublas":
-                return ops.gemv_attn_prep(x, w, *prep, choice)
-        prod = self(x, w)
-        return ops.qkv_prep(prod, *prep), prod
-
     def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
         """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured
         ("auto"; inside a graph capture the default launch, measured at the next eager use)."""

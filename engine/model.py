@@ -77,9 +77,6 @@ class Model:
         # gemv kernel makes the product (engine/gemm.py _RULE_VARIANT says where); off only to measure the two-launch
         # form against it (bench/decode_ab.py --rule-ab)
         self.fuse_rule = True
-        # the attention layer's q|gate, k, v product and attn_prep as one launch (the gemv kernel's "_ap" form) where a
-        # gemv kernel makes the product; off only to measure the two-launch form against it (bench/decode_ab.py)
-        self.fuse_prep = True
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -224,20 +221,24 @@ class Model:
         cfg, w = self.cfg, self.w
         t = x.shape[0]
         d = cfg.head_dim
-        hq = cfg.num_attention_heads
-        w_qkv = w[p + "self_attn.qkv_packed"]
-        # q/k norms, RoPE and the cache write in one op (with the product too, where a gemv kernel makes it); the
-        # output gate is applied by the attention op.
-        prep = (
-            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps, self.inv_freq,
-            k_cache, v_cache, start, hq,
-        )  # fmt: skip
-        if self._gemv is not None and self.fuse_prep:
-            q, qkv = self._gemv.attn_prep(x, w_qkv, *prep)
-        else:
-            qkv = self.linear(x, w_qkv)
-            q = ops.qkv_prep(qkv, *prep)
-        gate = qkv[:, : hq * 2 * d].reshape(t, hq, 2 * d)[..., d:]
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        qg, k, v = self.linear(x, w[p + "self_attn.qkv_packed"]).split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+        qg = qg.reshape(t, hq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        # q/k norms, RoPE and the cache write in one op; the output gate is applied by the attention op.
+        q = ops.attn_prep(
+            q,
+            k,
+            v,
+            w[p + "self_attn.q_norm.weight"],
+            w[p + "self_attn.k_norm.weight"],
+            cfg.rms_norm_eps,
+            self.inv_freq,
+            k_cache,
+            v_cache,
+            start,
+        )
         # up to the output projection (which proj_add_norm makes)
         return ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate).reshape(t, -1)
 
@@ -461,7 +462,6 @@ class Model:
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
-        tag = tag if self.fuse_prep else (*tag, "two-launch attn_prep")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property

@@ -614,7 +614,24 @@ def attn_prep(
     v_cache: torch.Tensor,
     start: Start,
 ) -> torch.Tensor:
-    if not _attn_prep_fits(q, k, v, q_weight, k_weight, inv_freq, k_cache, v_cache):
+    if (
+        not _cuda_ok(q, k, v, q_weight, k_weight, k_cache, v_cache)
+        or q.dtype not in _KIND
+        or not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or q.dim() != 3
+        or k.shape != v.shape
+        or k.dim() != 3
+        or k.shape[1:] != k_cache.shape[1:]
+        or k_cache.shape != v_cache.shape
+        or q.shape[2] != k.shape[2]
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] > _PREP_MAX_D
+        or q_weight.numel() != q.shape[2]
+        or k_weight.numel() != k.shape[2]
+        or 2 * inv_freq.numel() > q.shape[2]
+        or min(q.stride(2), k.stride(2), v.stride(2)) != 1
+    ):
         return _fallback("attn_prep", q)(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -657,86 +674,6 @@ def attn_prep(
         ),
     )
     return out
-
-
-def gemv_attn_prep(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: Start,
-    num_heads: int,
-    variant: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch: the attention layer's packed q|gate, k, v product of `variant` and attn_prep of it (the kernel's
-    "_ap" form: the last block to store a head's columns preps that head), so q, the caches and the product are bit
-    for bit gemv(x, w, variant) then attn_prep. Returns (q [T, Hq, D], the product [T, N]). A variant that splits K,
-    a tile wider than a head, or operands attn_prep's kernel does not take: the two ops."""
-    hkv, d = (k_cache.shape[1], k_cache.shape[2]) if k_cache.dim() == 3 else (0, 0)
-    prod = None
-    if gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0]:
-        m, n = x.shape[0], w.shape[0]
-        name, _, block, smem, _, splits = _gemv_launch(x, w, variant)
-        width = block[0] // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
-        prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        q, _, k, v = (
-            reference.split_qkv(prod, num_heads, hkv, d) if n == (2 * num_heads + 2 * hkv) * d > 0 else (0,) * 4
-        )
-        cnt = None
-        if (
-            isinstance(q, torch.Tensor)
-            and splits == 1
-            and d % width == 0
-            and block[0] >= _norm_threads(d)
-            and _attn_prep_fits(q, k, v, q_weight, k_weight, inv_freq, k_cache, v_cache)
-            and _gemv_dr_loaded(x.device, x.dtype, -1)
-        ):
-            cnt = _counters(x.device, ("ap", w.data_ptr()), num_heads + hkv)
-        if cnt is not None:
-            q_out = torch.empty((m, num_heads, d), dtype=x.dtype, device=x.device)
-            inv = inv_freq.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
-            sp, sv = _start_args(start, x.device)
-            args = la.GemvPrepArgs(
-                x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=prod, M=m, N=n, K=x.shape[1],
-                vec_ok=int(_gemv_vec_ok(x, w)), wq=q_weight.float().contiguous(), wk=k_weight.float().contiguous(),
-                inv_freq=inv, q_out=q_out, kc=k_cache, vc=v_cache, sp=sp, sv=sv, Hq=num_heads, Hkv=hkv, D=d,
-                half=inv.numel(), max_ctx=k_cache.shape[0], eps=eps, ntp=_norm_threads(d), cnt=cnt,
-            )  # fmt: skip
-            _launch_gemv(f"{name}_ap", x.dtype, x.device, (-(-n // width),), block, args, smem)
-            return q_out, prod
-        prod = gemv(x, w, variant)
-    if prod is None:
-        prod = reference.gemv(x, w) if not _cuda_ok(x, w) else torch.nn.functional.linear(x, w)
-    return reference.qkv_prep(
-        prod, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads, attn_prep
-    ), prod
-
-
-def _attn_prep_fits(q, k, v, q_weight, k_weight, inv_freq, k_cache, v_cache) -> bool:
-    """Whether attn_prep's kernel takes these operands (q, k, v [T, H, D] views)."""
-    return (
-        _cuda_ok(q, k, v, q_weight, k_weight, k_cache, v_cache)
-        and q.dtype in _KIND
-        and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and q.dim() == 3
-        and k.shape == v.shape
-        and k.dim() == 3
-        and k.shape[1:] == k_cache.shape[1:]
-        and k_cache.shape == v_cache.shape
-        and q.shape[2] == k.shape[2]
-        and q.shape[0] == k.shape[0]
-        and q.shape[2] <= _PREP_MAX_D
-        and q_weight.numel() == q.shape[2]
-        and k_weight.numel() == k.shape[2]
-        and 2 * inv_freq.numel() <= q.shape[2]
-        and min(q.stride(2), k.stride(2), v.stride(2)) == 1
-    )
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -1585,10 +1522,7 @@ def gemv_version() -> str:
 
 
 def _gemv_code(kind: int, dk: int = 0) -> str:
-    """The gemv module's source: dk 0 the plain products, dk > 0 the fused in_proj forms for that rule size (_dr{dk}),
-    dk -1 the fused qkv + attn_prep forms (_ap)."""
-    form = f"#define GV_DR_DK {dk}\n" if dk > 0 else "#define GV_AP 1\n" if dk < 0 else ""
-    return f"#define SCALAR_KIND {kind}\n" + form + _gemv_source()
+    return f"#define SCALAR_KIND {kind}\n" + (f"#define GV_DR_DK {dk}\n" if dk else "") + _gemv_source()
 
 
 def module_codes() -> dict[str, str]:
@@ -1601,14 +1535,13 @@ def module_codes() -> dict[str, str]:
         codes[f"decode {label}"] = _decode_code(kind)
         codes[f"gemv {label}"] = _gemv_code(kind)
         codes |= {f"gemv in_proj DK {dk} {label}": _gemv_code(kind, dk) for dk in _GEMV_DR_DK}
-        codes[f"gemv qkv {label}"] = _gemv_code(kind, -1)
     return codes
 
 
 def _gemv_function(dev: int, kind: int, name: str):
     """A kernel of the gemv module of (dev, kind), or, for the in_proj product's fused "_dr{DK}" forms, of that DK's
     own module (the same source with GV_DR_DK defined: compiled only where a model's delta-net layers use it)."""
-    dk = int(name[name.rindex("_dr") + 3 :]) if "_dr" in name else -1 if name.endswith("_ap") else 0
+    dk = int(name[name.rindex("_dr") + 3 :]) if "_dr" in name else 0
     build = lambda: _raw_module(_gemv_code(kind, dk))  # noqa: E731
     return _load_function(_gemv_fns, (dev, kind, name), _gemv_modules, (dev, kind, dk), dev, name, build)
 
@@ -1637,24 +1570,23 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
 
 
 def _gemv_dr_loaded(device: torch.device, dtype: torch.dtype, dk: int) -> bool:
-    """Whether a fused form of the products runs here (dk > 0: the in_proj product's for that rule size; -1: the qkv
-    product's with attn_prep): its module compiled and loaded now (False inside a graph capture when it is not
-    loaded yet: the capture takes the two launches), or not at all (it failed: reported once as a warning)."""
+    """Whether the in_proj product's fused forms for the rule's DK run here: their module compiled and loaded now
+    (False inside a graph capture when it is not loaded yet: the capture takes the two launches), or not at all
+    (it failed: reported once as a warning)."""
     dev, kind = _dev_index(device), _KIND[dtype]
     key = (dev, kind, dk)
     if key in _gemv_ready:
         return True
     if key in _gemv_failed or torch.cuda.is_current_stream_capturing():
         return False
-    suffix = f"_dr{dk}" if dk > 0 else "_ap"
     try:
         for name in _gemv_names(dtype, device):
             if name.startswith(("gemv_simt_m", "gemv_tc_t")) and name.count("_") == 3:  # the plain products
-                _gemv_function(dev, kind, name + suffix)
+                _gemv_function(dev, kind, f"{name}_dr{dk}")
     except Exception as exc:  # noqa: BLE001 - any failure means "the two launches"
         text = str(exc).strip()
         _gemv_failed[key] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-        warnings.warn(f"SpecDeck fused {suffix} gemv kernels unavailable ({_gemv_failed[key]})", stacklevel=2)
+        warnings.warn(f"SpecDeck fused in_proj kernels unavailable ({_gemv_failed[key]})", stacklevel=2)
         return False
     _gemv_ready.add(key)
     return True
@@ -2041,11 +1973,6 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
             for variant in gemv_variants(m, 40, 1024, dtype, device):
                 gemv(xg, wg, variant)
             gemv(xg[:, 1:], wg[:, 1:])  # unaligned: the scalar loads
-        for variant in ("simt1.w4.s1", "tc2.w4.s1"):  # the qkv product's fused form
-            gemv_attn_prep(
-                torch.randn(1, 64, **kw), z(8 * 64, 64, **kw), z(64, **kw), z(64, **kw), 1e-6,
-                torch.ones(8, device=device), z(8, 1, 64, **kw), z(8, 1, 64, **kw), start, 3, variant,
-            )  # fmt: skip
         hk, hv, dv = 1, 2, 64  # the in_proj product's fused form, both rule sizes' code paths
         for dkk in (64, 128):
             c = 2 * hk * dkk + hv * dv

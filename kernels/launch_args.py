@@ -235,16 +235,6 @@ GemvDeltaArgs = builder(
     *(f"gemv_simt_m{mb}_c{c}_dr{dk}" for mb in (1, 4, 8, 17) for c in (1, 2) for dk in (64, 128)),
     *(f"gemv_tc_t{mt}_c{ct}_dr{dk}" for mt in (1, 2, 3) for ct in (1, 2) for dk in (64, 128)),
 )
-GemvPrepArgs = builder(
-    "GemvPrepArgs",
-    (
-        "ptr x, i64 xs, ptr w, i64 wsr, ptr out, i32 M, i32 N, i32 K, i32 vec_ok, ptr wq, ptr wk, ptr inv_freq, "
-        "ptr q_out, ptr kc, ptr vc, ptr sp, i64 sv, i32 Hq, i32 Hkv, i32 D, i32 half, i64 max_ctx, f32 eps, i32 ntp, "
-        "ptr cnt"
-    ),
-    *(f"gemv_simt_m{mb}_c{c}_ap" for mb in (1, 4, 8, 17) for c in (1, 2)),
-    *(f"gemv_tc_t{mt}_c{ct}_ap" for mt in (1, 2, 3) for ct in (1, 2)),
-)
 GemvAddNormArgs = builder(
     "GemvAddNormArgs",
     (

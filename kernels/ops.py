@@ -31,15 +31,8 @@ gated_delta_rule_ab = reference.gated_delta_rule_ab
 gated_delta_rule_ab_norm = reference.gated_delta_rule_ab_norm
 conv_delta_rule_norm = reference.conv_delta_rule_norm
 gemv_conv_delta_rule_norm = reference.gemv_conv_delta_rule_norm
-gemv_attn_prep = reference.gemv_attn_prep
 
 _cuda_enabled = False
-
-
-def qkv_prep(prod, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads):
-    """attn_prep of the attention layer's packed q|gate, k, v product `prod` (reference.qkv_prep) through the
-    attn_prep bound now (its kernel on a GPU): the prepared q [T, Hq, D]."""
-    return reference.qkv_prep(prod, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads, attn_prep)
 
 
 def in_proj_step(prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps):

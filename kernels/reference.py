@@ -136,55 +136,6 @@ def attn_prep(
     return q
 
 
-def split_qkv(
-    prod: torch.Tensor, num_heads: int, kv_heads: int, d: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The attention layer's packed q|gate, k, v product [T, (2 Hq + 2 Hkv) D] as views: q and the output gate
-    [T, Hq, D] (each head's q then its gate, as the checkpoint's q_proj holds them), k and v [T, Hkv, D]."""
-    t = prod.shape[0]
-    qg, k, v = prod.split([num_heads * 2 * d, kv_heads * d, kv_heads * d], dim=-1)
-    qg = qg.reshape(t, num_heads, 2 * d)
-    return qg[..., :d], qg[..., d:], k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
-
-
-def qkv_prep(
-    prod: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: Start,
-    num_heads: int,
-    prep=None,
-) -> torch.Tensor:
-    """attn_prep (`prep`, its signature; None: this reference) of the q, k, v views of the packed product `prod`
-    (split_qkv; Hkv and D from the caches [ctx, Hkv, D]): the prepared q [T, Hq, D]."""
-    q, _, k, v = split_qkv(prod, num_heads, k_cache.shape[1], k_cache.shape[2])
-    return (prep or attn_prep)(q, k, v, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start)
-
-
-def gemv_attn_prep(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: Start,
-    num_heads: int,
-    variant: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention layer's input from its rows x [T, K]: the packed q|gate, k, v product x @ w^T (gemv), then
-    attn_prep of its views (qkv_prep). Returns (the prepared q [T, Hq, D], the product, whose gate columns the
-    attention op reads). One launch on a GPU where a gemv kernel makes the product; `variant` means nothing here."""
-    prod = gemv(x, w)
-    return qkv_prep(prod, q_weight, k_weight, eps, inv_freq, k_cache, v_cache, start, num_heads), prod
-
-
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """The MLP's activation on a packed gate|up row: silu(x[..., :I]) * x[..., I:]."""
     gate, up = x.chunk(2, dim=-1)

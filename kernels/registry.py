@@ -42,7 +42,6 @@ NAMES = (
     "gated_delta_rule_ab_norm",
     "conv_delta_rule_norm",
     "gemv_conv_delta_rule_norm",
-    "gemv_attn_prep",
 )
 
 # The skinny-GEMM op `gemv` (x [M, K] @ W[N, K]^T for decode shapes) takes up to this many rows; a launch

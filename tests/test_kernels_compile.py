@@ -15,11 +15,10 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "kernels" / "cuda_src"
 NVCC = shutil.which("nvcc")
-# (source, dtype kind, arch, extra defines): the gemv source also as the modules of its fused forms (the in_proj
-# product's per rule size, GV_DR_DK; the qkv product's, GV_AP: kernels/cuda.py _gemv_code)
+# (source, dtype kind, arch, extra defines): the gemv source also as the modules of its fused in_proj forms, one per
+# rule size (GV_DR_DK, kernels/cuda.py _gemv_function)
 BUILDS = [(src, "") for src in sorted(SRC.glob("*.cu"))]
 BUILDS += [(SRC / "gemv_kernels.cu", f"#define GV_DR_DK {dk}\n") for dk in (64, 128)]
-BUILDS += [(SRC / "gemv_kernels.cu", "#define GV_AP 1\n")]
 CASES = [(src, kind, arch, extra) for src, extra in BUILDS for kind, arch in ((0, 90), (1, 90), (2, 90), (1, 80))]
 
 

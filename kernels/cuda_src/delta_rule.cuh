@@ -20,6 +20,38 @@ __device__ __forceinline__ scalar_t conv_step(float (&win)[K - 1], const float (
     return from_f<scalar_t>(silu_f(acc));
 }
 
+// The barriers of gdr_impl: NT = 0, the whole block (__syncthreads); NT > 0, named barrier 1 over the block's
+// first NT threads (the fused form: the block may have more threads than the rule uses, and they have left).
+template <int NT>
+__device__ __forceinline__ void gdr_sync() {
+    if constexpr (NT == 0)
+        __syncthreads();
+    else
+        asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
+}
+
+// block_sum's arithmetic over the rule's threads (nt of them; NT as above): every thread gets the sum.
+template <int NT>
+__device__ __forceinline__ float gdr_block_sum(float v, float* sh, int nt) {
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = nt >> 5;
+    gdr_sync<NT>();  // sh may still be read by a previous call
+    if (lane == 0) sh[w] = v;
+    gdr_sync<NT>();
+    float r = lane < nw ? sh[lane] : 0.f;
+    return warp_sum(r);
+}
+
+// A load of the projection's columns: CG (the fused form, where other blocks of the same launch stored them)
+// bypasses L1; else a plain load (an earlier launch wrote them).
+template <bool CG>
+__device__ __forceinline__ scalar_t gdr_ld(const scalar_t* p) {
+    if constexpr (CG)
+        return __ldcg(p);
+    else
+        return *p;
+}
+
 // Which part of the rule a block runs: value columns [32 cb, 32 cb + 32) of value head h, of ncb such column
 // blocks per head (the standalone kernels: blockIdx.x, blockIdx.y, gridDim.x).
 struct GdrAt {
@@ -78,7 +110,7 @@ struct GdrConv {
     int C;
 };
 
-// The norm of head h's rows of `out` (every token), on the first nt threads (NT: nt_sync's), gated_rmsnorm's
+// The norm of head h's rows of `out` (every token), on the first nt threads (NT: gdr_sync's), gated_rmsnorm's
 // arithmetic with an fp32 weight: y = (w * rmsnorm(out).to(dtype)) * silu(z), the sum of squares over the threads
 // in a fixed order whatever T is. z0: this thread's gate value of token 0 (column threadIdx.x), loaded earlier.
 template <int NT, bool CG>
@@ -92,12 +124,12 @@ __device__ __forceinline__ void gdr_norm_rows(const scalar_t* out, int T, int Hv
             const float o = to_f(__ldcg(orow + c));
             ss += o * o;
         }
-        const float rs = rsqrtf(nt_block_sum<NT>(ss, sh, nt) / (float)dv + nm.eps);
+        const float rs = rsqrtf(gdr_block_sum<NT>(ss, sh, nt) / (float)dv + nm.eps);
         const scalar_t* zr = nm.z + t * nm.zs0 + (long long)h * dv;
         scalar_t* yr = nm.y + ((long long)t * Hv + h) * dv;
         for (int c = threadIdx.x; c < dv; c += nt) {
             const float n = rnd<scalar_t>(to_f(__ldcg(orow + c)) * rs);  // rmsnorm(out).to(dtype)
-            const float zv = t == 0 && c == (int)threadIdx.x ? z0 : to_f(ld_cg_if<CG>(zr + c));
+            const float zv = t == 0 && c == (int)threadIdx.x ? z0 : to_f(gdr_ld<CG>(zr + c));
             yr[c] = from_f<scalar_t>(nm.w[c] * n * silu_f(zv));  // fp32 weight: no rounding between
         }
     }
@@ -109,18 +141,18 @@ template <int NT, bool CG>
 __device__ __forceinline__ void gdr_norm_tail(const scalar_t* out, int T, int Hv, int dv, int h, int ncb, int nt,
                                               const GdrNorm& nm, float z0) {
     __shared__ int last;
-    nt_sync<NT>();  // the block's columns of every token are stored
+    gdr_sync<NT>();  // the block's columns of every token are stored
     if (threadIdx.x == 0) {
         int old;  // release: this block's stores; acquire: the head's other blocks'
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(nm.cnt + h) : "memory");
         last = old == ncb - 1;
         if (last) nm.cnt[h] = 0;
     }
-    nt_sync<NT>();
+    gdr_sync<NT>();
     if (last) gdr_norm_rows<NT, CG>(out, T, Hv, dv, h, nt, nm, z0);
 }
 
-// NT, CG: nt_sync and ld_cg_if (common.cuh; 0, false in the standalone kernels); `at`: which block of the rule this is.
+// NT, CG: gdr_sync and gdr_ld above (0, false in the standalone kernels); `at`: which block of the rule this is.
 template <int DK, typename BT, bool RAW, bool NORM, bool CONV = false, int NT = 0, bool CG = false>
 __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                          const scalar_t* __restrict__ k, long long ks0, long long ks1,
@@ -153,9 +185,9 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
     const int cq = kh * dk + tid, ck = Hk * dk + kh * dk + tid, cvc = 2 * Hk * dk + h * dv + col;
     float x0q = 0.f, x0k = 0.f, x0v = 0.f, tq[CK], tk[CK], tv[CK];
     if (CONV && T > 0) {
-        if (own_qk) x0q = to_f(ld_cg_if<CG>(cv.x + cq));
-        if (own_qk) x0k = to_f(ld_cg_if<CG>(cv.x + ck));
-        if (own_v) x0v = to_f(ld_cg_if<CG>(cv.x + cvc));
+        if (own_qk) x0q = to_f(gdr_ld<CG>(cv.x + cq));
+        if (own_qk) x0k = to_f(gdr_ld<CG>(cv.x + ck));
+        if (own_v) x0v = to_f(gdr_ld<CG>(cv.x + cvc));
 #pragma unroll
         for (int i = 0; i < CK; ++i) {
             tq[i] = own_qk ? to_f(cv.w[(long long)cq * CK + i]) : 0.f;
@@ -165,12 +197,12 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
     }
     float a0 = 0.f, b0 = 0.f, nea = 0.f, dtb = 0.f, z0 = 0.f;
     if (RAW && T > 0) {
-        a0 = to_f(ld_cg_if<CG>(static_cast<const scalar_t*>(g) + h));
-        b0 = to_f(ld_cg_if<CG>(static_cast<const scalar_t*>(beta) + h));
+        a0 = to_f(gdr_ld<CG>(static_cast<const scalar_t*>(g) + h));
+        b0 = to_f(gdr_ld<CG>(static_cast<const scalar_t*>(beta) + h));
         nea = neg_exp_a[h];
         dtb = dt_bias[h];
     }
-    if (NORM && T > 0 && tid < dv) z0 = to_f(ld_cg_if<CG>(nm.z + (long long)h * dv + tid));
+    if (NORM && T > 0 && tid < dv) z0 = to_f(gdr_ld<CG>(nm.z + (long long)h * dv + tid));
     const long long start = read_start(start_ptr, start_val);
     const long long plane = (long long)Hv * dk * dv;
     const long long head_off = (long long)h * dk * dv;
@@ -203,15 +235,15 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
 
     for (int t0 = 0; t0 < T; t0 += GDR_TC) {
         const int tc = T - t0 < GDR_TC ? T - t0 : GDR_TC;
-        nt_sync<NT>();  // the previous chunk's q/k are no longer read
+        gdr_sync<NT>();  // the previous chunk's q/k are no longer read
         if (CONV) {  // the chunk's conv outputs (rounded as conv_update stores them) into s_q, s_k, s_v
             for (int tt = 0; tt < tc; ++tt) {
                 const long long xrow = (long long)(t0 + tt) * cv.xs0;
                 scalar_t* wp = cv.ring + pmod(start + t0 + tt + 1, n_planes) * cplane;
                 if (own_qk) {
                     const bool first = t0 + tt == 0;
-                    s_q[tt][tid] = to_f(conv_step<CK>(wq, tq, first ? x0q : to_f(ld_cg_if<CG>(cv.x + xrow + cq))));
-                    s_k[tt][tid] = to_f(conv_step<CK>(wk, tk, first ? x0k : to_f(ld_cg_if<CG>(cv.x + xrow + ck))));
+                    s_q[tt][tid] = to_f(conv_step<CK>(wq, tq, first ? x0q : to_f(gdr_ld<CG>(cv.x + xrow + cq))));
+                    s_k[tt][tid] = to_f(conv_step<CK>(wk, tk, first ? x0k : to_f(gdr_ld<CG>(cv.x + xrow + ck))));
                     if (write_qk) {
 #pragma unroll
                         for (int i = 0; i < CK - 1; ++i) {
@@ -221,13 +253,13 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                     }
                 }
                 if (own_v) {
-                    const float xv = t0 + tt == 0 ? x0v : to_f(ld_cg_if<CG>(cv.x + xrow + cvc));
+                    const float xv = t0 + tt == 0 ? x0v : to_f(gdr_ld<CG>(cv.x + xrow + cvc));
                     s_v[tt][lane] = to_f(conv_step<CK>(wvv, tv, xv));
 #pragma unroll
                     for (int i = 0; i < CK - 1; ++i) wp[(long long)cvc * (CK - 1) + i] = from_f<scalar_t>(wvv[i]);
                 }
             }
-            nt_sync<NT>();
+            gdr_sync<NT>();
         }
         for (int tt = slice; tt < tc; tt += NS) {
             const int t = t0 + tt;
@@ -260,14 +292,14 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
                 }
             }
         }
-        nt_sync<NT>();
+        gdr_sync<NT>();
         for (int tt = 0; tt < tc; ++tt) {
             const int t = t0 + tt;
             const int buf = t & 1;
             float eg, bt;
             if (RAW) {
-                const float at_ = t == 0 ? a0 : to_f(ld_cg_if<CG>(static_cast<const scalar_t*>(g) + t * gs0 + h));
-                const float bt_ = t == 0 ? b0 : to_f(ld_cg_if<CG>(static_cast<const scalar_t*>(beta) + t * bs0 + h));
+                const float at_ = t == 0 ? a0 : to_f(gdr_ld<CG>(static_cast<const scalar_t*>(g) + t * gs0 + h));
+                const float bt_ = t == 0 ? b0 : to_f(gdr_ld<CG>(static_cast<const scalar_t*>(beta) + t * bs0 + h));
                 eg = expf(gdn_log_decay(at_, dtb, nea));
                 bt = to_f(gdn_beta(bt_));
             } else {
@@ -283,7 +315,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
             }
             if (NS > 1) {
                 s_u[buf][slice][lane] = u;
-                nt_sync<NT>();
+                gdr_sync<NT>();
                 u = 0.f;
 #pragma unroll
                 for (int z = 0; z < NS; ++z) u += s_u[buf][z][lane];
@@ -297,7 +329,7 @@ __device__ __forceinline__ void gdr_impl(const scalar_t* __restrict__ q, long lo
             }
             if (NS > 1) {
                 s_o[buf][slice][lane] = o;
-                nt_sync<NT>();
+                gdr_sync<NT>();
                 o = 0.f;
 #pragma unroll
                 for (int z = 0; z < NS; ++z) o += s_o[buf][z][lane];

@@ -488,7 +488,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         PDL_TRIGGER();                                                                                            \
         gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{}, blockIdx.x);    \
     }
-#if !defined(GV_DR_DK) && !defined(GV_AP)  // the plain module (kernels/cuda.py); the fused forms: modules of their own
+#ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
 GEMV_SIMT(4, 1)
@@ -705,7 +705,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         (void)vec_ok;                                                                                             \
         gv_tc<GV_MT, GV_CT, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, blockIdx.x);          \
     }
-#if !defined(GV_DR_DK) && !defined(GV_AP)
+#ifndef GV_DR_DK
 GEMV_TC(1, 1)
 GEMV_TC(2, 1)
 GEMV_TC(3, 1)
@@ -716,7 +716,7 @@ GEMV_TC(3, 2)
 
 // ---- split-K combine ----------------------------------------------------------------------------------------
 // out[i] = sum over s of part[s * MN + i], in split order, rounded once. grid ceil(MN / 256), block 256.
-#if !defined(GV_DR_DK) && !defined(GV_AP)
+#ifndef GV_DR_DK
 extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t* __restrict__ out, int S, int MN) {
     PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -749,7 +749,7 @@ extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t
 //    the SM count (fewer than the blocks the GPU holds at once), so a block whose tile is missing always finds
 //    room to run. The last piece to finish (gcnt[Hk + 1] counts them) leaves the group counters at zero, the last
 //    arrival at a head's counter leaves it at zero.
-// The rule and the norm read the stored columns with L1-bypassing loads (ld_cg_if<true>): other blocks of this
+// The rule and the norm read the stored columns with L1-bypassing loads (gdr_ld<true>): other blocks of this
 // launch wrote them.
 
 // What delta_rule.cuh needs, on this module's 16-bit patterns (the same roundings as decode_kernels.cu's).
@@ -766,7 +766,6 @@ template <typename T> __device__ __forceinline__ float rnd(float f) { return to_
 
 #include "common.cuh"
 #include "delta_rule.cuh"
-#include "attn_prep.cuh"
 
 // The first column of tile bx in the rule's order, and what it holds: group >= 0, the q | k | v columns of key
 // head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group.
@@ -849,7 +848,7 @@ __device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t*
     __syncthreads();
     if (!s_last || threadIdx.x >= NT) return;
     const GdrNorm nm{prod + d.C, N, d.nw, d.y, d.ncnt, d.eps};
-    const float z0 = (int)threadIdx.x < d.dv ? to_f(ld_cg_if<true>(nm.z + (long long)h * d.dv + threadIdx.x)) : 0.f;
+    const float z0 = (int)threadIdx.x < d.dv ? to_f(gdr_ld<true>(nm.z + (long long)h * d.dv + threadIdx.x)) : 0.f;
     gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
 }
 
@@ -935,103 +934,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
     }
-// ---- the attention layer's qkv product and attn_prep in one launch (op gemv_attn_prep) --------------------------
-// gemv_{simt_m{MB}_c{C},tc_t{MT}_c{CT}}_ap (GemvPrepArgs): the packed q|gate, k, v product [M, N] (N = Hq 2D + 2 Hkv D;
-// a q head's D columns then its gate's D) stored in `out` as the plain launch of that variant stores it, and
-// attn_prep of it: a block that has stored its tile (of one head's q, k or v columns: width divides D) counts in at
-// that head's counter (cnt[h], h < Hq a q head, Hq + j kv head j, whose k and v tiles both count), and the last
-// arrival (which leaves the counter at zero) preps the head for every token with attn_prep_impl on its first NTP =
-// the standalone kernel's threads (so the same bits as gemv -> attn_prep): q normed and RoPE'd into q_out, k normed
-// and RoPE'd into k_cache, v into v_cache. Gate tiles only store. Nobody waits.
-template <int NTP>
-__device__ __forceinline__ void gv_ap_head(int hh, const scalar_t* prod, int M, int N, const float* wq, const float* wk,
-                                           const float* inv_freq, scalar_t* q_out, scalar_t* kc, scalar_t* vc,
-                                           const long long* sp, long long sv, int Hq, int Hkv, int D, int half,
-                                           long long max_ctx, float eps) {
-    if ((int)threadIdx.x >= NTP) return;
-    const scalar_t* kp = prod + (long long)Hq * 2 * D;
-    for (int t = 0; t < M; ++t) {
-        attn_prep_impl<float, NTP, true>(prod, N, 2LL * D, kp, N, D, kp + (long long)Hkv * D, N, D, wq, wk, inv_freq,
-                                         q_out, kc, vc, sp, sv, Hq, Hkv, D, half, max_ctx, eps, hh, t, NTP);
-        nt_sync<NTP>();  // the row's shared memory is free again
-    }
-}
-
-__device__ __forceinline__ void gv_ap_after(long long n0, int width, const scalar_t* prod, int M, int N, const float* wq,
-                                            const float* wk, const float* inv_freq, scalar_t* q_out, scalar_t* kc,
-                                            scalar_t* vc, const long long* sp, long long sv, int Hq, int Hkv, int D,
-                                            int half, long long max_ctx, float eps, int ntp, int* cnt) {
-    __shared__ int s_last;
-    const long long qend = (long long)Hq * 2 * D;
-    int hh, of;
-    if (n0 < qend) {
-        if (n0 % (2 * D) >= D) return;  // a gate tile
-        hh = (int)(n0 / (2 * D)), of = D / width;
-    } else {
-        const long long j = (n0 - qend) / D;  // k tiles of kv head j, then (past Hkv) its v tiles
-        hh = Hq + (int)(j < Hkv ? j : j - Hkv), of = 2 * D / width;
-    }
-    __syncthreads();  // the tile's stores are done
-    if (threadIdx.x == 0) {
-        int old;  // release: this tile; acquire: the head's other tiles
-        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + hh) : "memory");
-        s_last = old == of - 1;
-        if (s_last) cnt[hh] = 0;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    if (ntp == 32)
-        gv_ap_head<32>(hh, prod, M, N, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, Hkv, D, half, max_ctx, eps);
-    else if (ntp == 64)
-        gv_ap_head<64>(hh, prod, M, N, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, Hkv, D, half, max_ctx, eps);
-    else
-        gv_ap_head<128>(hh, prod, M, N, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, Hkv, D, half, max_ctx, eps);
-}
-
-// MINB (blocks of 256 threads an SM holds) caps the registers at the plain kernel's count or just above it: attn_prep's
-// accurate sinf/cosf would otherwise take ~100 and cut the product's occupancy (its spills are in the prep, once).
-#define GEMV_SIMT_AP(GV_MB, GV_C, MINB)                                                                           \
-    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32, MINB) gemv_simt_m##GV_MB##_c##GV_C##_ap(      \
-        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
-        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, const float* wq, const float* wk,             \
-        const float* inv_freq, scalar_t* q_out, scalar_t* kc, scalar_t* vc, const long long* sp, long long sv,    \
-        int Hq, int Hkv, int D, int half, long long max_ctx, float eps, int ntp, int* cnt) {                      \
-        PDL_TRIGGER();                                                                                            \
-        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{}, blockIdx.x); \
-        const int width = (blockDim.x >> 5) * GV_C;                                                               \
-        gv_ap_after((long long)blockIdx.x * width, width, out, M, N, wq, wk, inv_freq, q_out, kc, vc, sp, sv, Hq, \
-                    Hkv, D, half, max_ctx, eps, ntp, cnt);                                                        \
-    }
-#define GEMV_TC_AP(GV_MT, GV_CT, MINB)                                                                            \
-    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32, MINB) gemv_tc_t##GV_MT##_c##GV_CT##_ap(       \
-        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
-        scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, const float* wq, const float* wk,             \
-        const float* inv_freq, scalar_t* q_out, scalar_t* kc, scalar_t* vc, const long long* sp, long long sv,    \
-        int Hq, int Hkv, int D, int half, long long max_ctx, float eps, int ntp, int* cnt) {                      \
-        PDL_TRIGGER();                                                                                            \
-        (void)vec_ok;                                                                                             \
-        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, blockIdx.x);          \
-        gv_ap_after((long long)blockIdx.x * 16 * GV_CT, 16 * GV_CT, out, M, N, wq, wk, inv_freq, q_out, kc, vc,   \
-                    sp, sv, Hq, Hkv, D, half, max_ctx, eps, ntp, cnt);                                            \
-    }
-// GV_AP: the module of the _ap forms (kernels/cuda.py compiles it on first use).
-#ifdef GV_AP
-GEMV_SIMT_AP(1, 1, 4)
-GEMV_SIMT_AP(1, 2, 4)
-GEMV_SIMT_AP(4, 1, 3)
-GEMV_SIMT_AP(4, 2, 3)
-GEMV_SIMT_AP(8, 1, 2)
-GEMV_SIMT_AP(8, 2, 2)
-GEMV_SIMT_AP(17, 1, 2)
-GEMV_SIMT_AP(17, 2, 2)
-GEMV_TC_AP(1, 1, 3)
-GEMV_TC_AP(2, 1, 2)
-GEMV_TC_AP(3, 1, 2)
-GEMV_TC_AP(1, 2, 3)
-GEMV_TC_AP(2, 2, 2)
-GEMV_TC_AP(3, 2, 2)
-#endif
-
 // GV_DR_DK: the module of the _dr forms for that DK (kernels/cuda.py compiles one per DK on first use).
 #if GV_DR_DK == 64
 GEMV_SIMT_DR(1, 1, 64)
