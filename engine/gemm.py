@@ -145,6 +145,9 @@ class GemvProducts:
         # Weight shapes whose product is always followed by the MLP's activation (the packed gate|up): "auto"
         # times them as product + silu_mul (cuBLAS and a launch more, or the gemv kernel's one-launch form)
         self.activation_shapes: set[tuple[int, int]] = set()
+        # (n, k, bucket index) -> the variant whose fused form made that product with the delta-net's step instead of
+        # the choice (conv_delta_rule_norm): shown beside the choice in `labels`
+        self.fused: dict[tuple[int, int, int], str] = {}
         self._tuning = False  # inside tune(): the cache is written once at its end
 
     # ---- the product --------------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class GemvProducts:
             choice = self.choice(x.shape[0], w)
             if choice != "cublas":
                 if self.mode != "exact" and w.numel() * w.element_size() >= _RULE_MIN_BYTES:
+                    self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
                     return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT)
                 return ops.in_proj_step(ops.gemv(x, w, choice), *step)
         return ops.in_proj_step(self(x, w), *step)
@@ -214,8 +218,13 @@ class GemvProducts:
 
     @property
     def labels(self) -> dict[str, str]:
-        """The choices made so far, by "NxK bucket" (what Engine.info and the run stats show)."""
-        return {f"{n}x{k} {bucket_label(b)}": c for (n, k, b), c in sorted(self.choices.items())}
+        """The choices made so far, by "NxK bucket" (what Engine.info and the run stats show); a product made with
+        the delta-net's step in one launch shows that launch's variant and the choice for the product alone."""
+        out = {}
+        for (n, k, b), c in sorted(self.choices.items()):
+            fused = self.fused.get((n, k, b))
+            out[f"{n}x{k} {bucket_label(b)}"] = c if fused is None else f"{fused} with the delta step ({c} alone)"
+        return out
 
     # ---- auto: measuring --------------------------------------------------------------------------------
     def tune(
