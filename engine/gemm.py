@@ -58,7 +58,7 @@ _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at 
 # candidate repeats the same launches back to back, where the second launch costs nothing extra, while a decode
 # step's graph pays for every launch (issue 20: launches per token). The rule is part of the cache key.
 _ONE_LAUNCH_MARGIN = 0.01
-_PICK_RULE = "one-launch 1%"
+_PICK_RULE = "one-launch 1% s1"
 
 # The delta-net's in_proj product + decode step in one launch (GemvProducts.conv_delta_rule_norm) where the product
 # runs a gemv kernel: with the tensor-core tile variant (its occupancy is the same with the rule's registers, a
@@ -195,6 +195,13 @@ class GemvProducts:
                 return ops.in_proj_step(ops.gemv(x, w, choice), *step)
         return ops.in_proj_step(self(x, w), *step)
 
+    def prepare_rule(self, in_proj: list[torch.Tensor], key_dim: int) -> None:
+        """Compile and load the fused in_proj + step kernels now (at load) where conv_delta_rule_norm will take them
+        (`in_proj`: the delta-net layers' packed in_proj weights), so that the first round compiles nothing."""
+        big = any(w.numel() * w.element_size() >= _RULE_MIN_BYTES for w in in_proj)
+        if self.ok and self.mode != "exact" and big:
+            ops.gemv_rule_kernels(self.device, self.dtype, key_dim)
+
     def choice(self, m: int, w: torch.Tensor, same_shape: list[torch.Tensor] | None = None) -> str:
         """The product used for m rows times w^T: looked up, else the default launch ("cupy"), else measured
         ("auto"; inside a graph capture the default launch, measured at the next eager use)."""
@@ -324,9 +331,10 @@ class GemvProducts:
 
 def pick(times: dict[str, float], one_launch_preferred: bool) -> str:
     """The candidate to use from measured us per call: the fastest; for a product + activation shape, the fastest
-    gemv variant (one launch) unless cuBLAS + silu_mul (two) is faster by more than _ONE_LAUNCH_MARGIN."""
+    gemv variant without K splits (one launch; one that splits K is its product, the split sum and silu_mul) unless
+    cuBLAS + silu_mul (two) is faster by more than _ONE_LAUNCH_MARGIN."""
     best = min(times, key=times.get)
-    fused = [c for c in times if c != "cublas"]
+    fused = [c for c in times if c != "cublas" and (ops.parse_gemv_variant(c) or ("", 0, 0))[2] == 1]  # no K split
     if one_launch_preferred and best == "cublas" and fused:
         one = min(fused, key=times.get)
         if times[one] <= times[best] * (1.0 + _ONE_LAUNCH_MARGIN):

@@ -143,6 +143,8 @@ class Model:
         if self._gemv is not None:
             gate_up = {tuple(t.shape) for name, t in self.w.items() if name.endswith("gate_up_packed")}
             self._gemv.tune(self.product_weights(), activation=gate_up)
+            in_proj = [t for name, t in self.w.items() if name.endswith("in_proj_packed")]
+            self._gemv.prepare_rule(in_proj, self.cfg.linear_key_head_dim)
 
     @property
     def gemm_choices(self) -> dict[str, str]:

@@ -1569,6 +1569,15 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
     return (*plain, "gemv_combine", *(f"{name}_an" for name in plain), *silu)
 
 
+def gemv_rule_kernels(device: torch.device | str | int, dtype: torch.dtype, dk: int) -> bool:
+    """Whether the in_proj product's fused "_dr" forms run for key head dim dk (<= 128) here, compiling and loading
+    their module now (the gemm modes call it at load, so the first round does not compile)."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    dkp = _gdr_dk_kernel(dk) if 0 < dk <= 128 else 0
+    ok = _cp is not None and device.type == "cuda" and dtype in _KIND and gemv_kernels(device, dtype)[0]
+    return ok and dkp in _GEMV_DR_DK and _gemv_dr_loaded(device, dtype, dkp)
+
+
 def _gemv_dr_loaded(device: torch.device, dtype: torch.dtype, dk: int) -> bool:
     """Whether the in_proj product's fused forms for the rule's DK run here: their module compiled and loaded now
     (False inside a graph capture when it is not loaded yet: the capture takes the two launches), or not at all
@@ -1974,7 +1983,7 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
                 gemv(xg, wg, variant)
             gemv(xg[:, 1:], wg[:, 1:])  # unaligned: the scalar loads
         hk, hv, dv = 1, 2, 64  # the in_proj product's fused form, both rule sizes' code paths
-        for dkk in (64, 128):
+        for dkk in (64, 128) if gemv_rule_kernels(device, dtype, 64) and gemv_rule_kernels(device, dtype, 128) else ():
             c = 2 * hk * dkk + hv * dv
             st = z(4, hv, dkk, dv, device=device, dtype=torch.float32)
             for variant in ("simt1.w4.s1", "tc2.w4.s1"):

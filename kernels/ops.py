@@ -105,6 +105,16 @@ def gemv_kernels(device, dtype) -> tuple[bool, str]:
     return cuda.gemv_kernels(device, dtype)
 
 
+def gemv_rule_kernels(device, dtype, dk: int) -> bool:
+    """Whether the in_proj product's fused form with the delta-net's step runs for key head dim dk: its module
+    compiled and loaded now (call it outside a graph capture, as the gemm modes do at load)."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_rule_kernels(device, dtype, dk)
+
+
 def gemv_takes(x, w) -> bool:
     """Whether the gemv kernel covers x @ w^T (shape, dtype, layout) with the CUDA kernels bound."""
     if not _cuda_enabled:

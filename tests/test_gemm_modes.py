@@ -219,6 +219,10 @@ def test_the_pick_keeps_the_one_launch_activation_form_unless_cublas_is_clearly_
     faster = {"cublas": 50.0, "tc2.w8.s1": 48.0}
     assert gemm.pick(faster, one_launch_preferred=True) == "tc2.w8.s1"
     assert gemm.pick({"cublas": 50.0}, one_launch_preferred=True) == "cublas"  # no variant measured (all refused)
+    split = {"cublas": 50.0, "simt2.w4.s2": 50.1, "tc2.w8.s1": 50.4}  # a K split is not one launch
+    assert gemm.pick(split, one_launch_preferred=True) == "tc2.w8.s1"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.2}, one_launch_preferred=True) == "cublas"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 49.0}, one_launch_preferred=True) == "simt2.w4.s2"  # fastest
 
 
 def test_the_pick_rule_is_part_of_the_cache_key(fake, tmp_path):
@@ -252,3 +256,18 @@ def test_the_delta_step_takes_the_fused_launch_only_for_large_weights_and_says_s
     p.choices[(96, 32, 0)] = "cublas"
     assert p.conv_delta_rule_norm(x, torch.randn(96, 32), *step) == "two" and len(fused) == 1
     assert steps == [(1, 64), (1, 128), (1, 96)]
+
+
+def test_the_fused_step_kernels_are_loaded_at_load_only_where_they_will_run(fake, monkeypatch):
+    """prepare_rule (Model.set_gemm) compiles the in_proj + step kernels for the model's key head dim when an
+    in_proj weight is large enough for the fused launch, and not for small models or mode "exact"."""
+    loaded = []
+    monkeypatch.setattr(ops, "gemv_rule_kernels", lambda device, dtype, dk: loaded.append(dk) or True)
+    monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 128 * 32 * 4)
+    products("cupy").prepare_rule([torch.randn(64, 32), torch.randn(128, 32)], 128)
+    assert loaded == [128]
+    products("cupy").prepare_rule([torch.randn(64, 32)], 64)
+    exact = products("cupy")
+    exact.mode = "exact"
+    exact.prepare_rule([torch.randn(128, 32)], 64)
+    assert loaded == [128]
