@@ -14,7 +14,8 @@
   with cuBLAS is never chosen). The model's own shapes are measured when the mode is set (at load), shapes
   first seen later (a sub-vocab slice of the LM head) at their first eager use, never inside a graph capture
   (a capture meeting an unmeasured shape uses the default launch). The MLP's gate|up shape is timed with its
-  activation, and its one-launch form is kept unless cuBLAS + silu_mul is more than 1% faster (`pick`).
+  activation, and its one-launch form (a variant without K splits) is kept unless cuBLAS + silu_mul is more
+  than 1% faster (`pick`).
   Choices are cached on disk per GPU (engine/gemm_cache.py), so a second load measures nothing.
 
 - "exact": every product of 1..17 rows through one gemv variant per weight shape whose result for a row does not
