@@ -1040,6 +1040,30 @@ def _cdr_counters(x, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias
     return _counters(x.device, ("gdr", neg_exp_a.data_ptr()), hv) if fits else None
 
 
+def _gemv_tile_width(name: str, block: tuple) -> int:
+    """Output columns a block of the gemv kernel `name` makes: warps x C (CUDA cores), 16 CT (tensor cores)."""
+    return block[0] // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
+
+
+def _dr_fits(splits, dkp, block, key_heads, hv, dk, dv, c, n, width, x) -> bool:
+    """Whether the in_proj product's "_dr" form can run this launch: no K split, a rule size it is built for, a
+    block of at least the rule's threads, every tile inside one head, an in_proj of C + Hv dv + 2 Hv columns, few
+    enough blocks that may wait at once (below the SM count: no deadlock), and its module loaded."""
+    return (
+        splits == 1
+        and dkp in _GEMV_DR_DK
+        and block[0] >= dkp
+        and key_heads > 0
+        and hv % key_heads == 0
+        and key_heads * (hv // key_heads * -(-dv // 32) - 1) < _sms(x.device)
+        and n == c + hv * dv + 2 * hv
+        and dk % width == 0
+        and dv % width == 0
+        and (c + hv * dv) % width == 0
+        and _gemv_dr_loaded(x.device, x.dtype, dkp)
+    )
+
+
 def gemv_conv_delta_rule_norm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -1059,35 +1083,18 @@ def gemv_conv_delta_rule_norm(
     finish each key head's columns last), so the result, both rings and the planes are bit for bit gemv(x, w,
     variant) then conv_delta_rule_norm. A variant that splits K, a block smaller than the rule's, a shape whose
     tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops."""
-    if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0]:
-        return reference.in_proj_step(
-            gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
-            eps, conv_delta_rule_norm,
-        )  # fmt: skip
-    m, n = x.shape[0], w.shape[0]
-    prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    hv, dk, dv = neg_exp_a.numel(), state_ring.shape[2], state_ring.shape[3]
-    c = conv_weight.shape[0]
-    name, grid, block, smem, _, splits = _gemv_launch(x, w, variant)
-    width = block[0] // 32 * int(name[name.rindex("_c") + 2]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
-    dkp = _gdr_dk_kernel(dk)
-    cnt = gcnt = None
-    if (
-        splits == 1
-        and dkp in _GEMV_DR_DK
-        and block[0] >= dkp
-        and key_heads > 0
-        and hv % key_heads == 0
-        and key_heads * (hv // key_heads * -(-dv // 32) - 1) < _sms(x.device)  # the blocks that may wait at once
-        and n == c + hv * dv + 2 * hv
-        and dk % width == 0
-        and dv % width == 0
-        and (c + hv * dv) % width == 0
-        and _gemv_dr_loaded(x.device, x.dtype, dkp)
-    ):
-        qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
-        cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
-        gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
+    gcnt = None
+    if gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0]:
+        m, n = x.shape[0], w.shape[0]
+        hv, dk, dv = neg_exp_a.numel(), state_ring.shape[2], state_ring.shape[3]
+        c = conv_weight.shape[0]
+        name, _, block, smem, _, splits = _gemv_launch(x, w, variant)
+        width, dkp = _gemv_tile_width(name, block), _gdr_dk_kernel(dk)
+        if _dr_fits(splits, dkp, block, key_heads, hv, dk, dv, c, n, width, x):
+            prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
+            qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
+            cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
+            gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
     if gcnt is None:  # the two ops
         return reference.in_proj_step(
             gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
@@ -1562,9 +1569,14 @@ def _tensor_cores(dtype: torch.dtype, device: torch.device) -> bool:
     return cc >= (8, 0)
 
 
+def _gemv_plain_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
+    """The plain products' kernels that serve `dtype` here (each fused form is one of them with a suffix)."""
+    return (*_GEMV_SIMT, *(_GEMV_TC if _tensor_cores(dtype, device) else ()))
+
+
 def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
-    tc = _GEMV_TC if _tensor_cores(dtype, device) else ()
-    plain = (*_GEMV_SIMT, *tc)
+    plain = _gemv_plain_names(dtype, device)
+    tc = plain[len(_GEMV_SIMT) :]
     silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
     return (*plain, "gemv_combine", *(f"{name}_an" for name in plain), *silu)
 
@@ -1589,9 +1601,8 @@ def _gemv_dr_loaded(device: torch.device, dtype: torch.dtype, dk: int) -> bool:
     if key in _gemv_failed or torch.cuda.is_current_stream_capturing():
         return False
     try:
-        for name in _gemv_names(dtype, device):
-            if name.startswith(("gemv_simt_m", "gemv_tc_t")) and name.count("_") == 3:  # the plain products
-                _gemv_function(dev, kind, f"{name}_dr{dk}")
+        for name in _gemv_plain_names(dtype, device):
+            _gemv_function(dev, kind, f"{name}_dr{dk}")
     except Exception as exc:  # noqa: BLE001 - any failure means "the two launches"
         text = str(exc).strip()
         _gemv_failed[key] = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -1983,7 +1994,7 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
                 gemv(xg, wg, variant)
             gemv(xg[:, 1:], wg[:, 1:])  # unaligned: the scalar loads
         hk, hv, dv = 1, 2, 64  # the in_proj product's fused form, both rule sizes' code paths
-        for dkk in (64, 128) if gemv_rule_kernels(device, dtype, 64) and gemv_rule_kernels(device, dtype, 128) else ():
+        for dkk in (dk for dk in _GEMV_DR_DK if gemv_rule_kernels(device, dtype, dk)):
             c = 2 * hk * dkk + hv * dv
             st = z(4, hv, dkk, dv, device=device, dtype=torch.float32)
             for variant in ("simt1.w4.s1", "tc2.w4.s1"):
