@@ -346,6 +346,68 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def embed_rmsnorm(
+    ids: torch.Tensor, embed: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    d = embed.shape[-1] if embed.dim() == 2 else 0
+    if (
+        not _cuda_ok(ids, embed, weight)
+        or embed.dtype not in _KIND
+        or ids.dtype != torch.int64
+        or ids.dim() != 1
+        or d == 0
+        or (d > 1 and embed.stride(1) != 1)
+        or weight.numel() != d
+    ):
+        return _fallback("embed_rmsnorm", ids)(ids, embed, weight, eps)
+    t = ids.shape[0]
+    y = torch.empty((t, d), dtype=embed.dtype, device=embed.device)
+    s = torch.empty((t, d), dtype=embed.dtype, device=embed.device)
+    if t == 0:
+        return y, s
+    w, ws = _aux(weight, embed.dtype)
+    _launch(
+        f"embed_rmsnorm_w{ws}",
+        embed.dtype,
+        embed.device,
+        (t,),
+        (_norm_threads(d),),
+        la.EmbedRmsNormArgs(
+            ids=ids.contiguous(), embed=embed, es=embed.stride(0), vocab=embed.shape[0], w=w, y=y, s=s, d=d, eps=eps
+        ),
+    )
+    return y, s
+
+
+def store_rows(dst: torch.Tensor, rows: torch.Tensor, start: Start) -> None:
+    if (
+        not _cuda_ok(dst, rows)
+        or dst.dtype not in _KIND
+        or rows.dtype != dst.dtype
+        or dst.dim() != 2
+        or rows.dim() != 2
+        or rows.shape[1] != dst.shape[1]
+        or (dst.shape[1] > 1 and (dst.stride(1) != 1 or rows.stride(1) != 1))
+        or (isinstance(start, torch.Tensor) and not _one_long(start))
+    ):
+        return _fallback("store_rows", dst)(dst, rows, start)
+    t, d = rows.shape
+    if t == 0 or d == 0:
+        return None
+    sp, sv = _start_args(start, dst.device)
+    _launch(
+        "store_rows",
+        dst.dtype,
+        dst.device,
+        (t,),
+        (min(1024, max(32, -(-d // 32) * 32)),),
+        la.StoreRowsArgs(
+            src=rows, ss=rows.stride(0), dst=dst, ds=dst.stride(0), start_ptr=sp, start_val=sv, d=d, n_dst=dst.shape[0]
+        ),
+    )
+    return None
+
+
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1131,6 +1193,9 @@ def _gdr_norm_fits(v: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> bo
 
 _AM_THREADS = 1024
 _AM_MIN_PER_BLOCK = 4096  # bench/argmax_split.py on the H200: 32k logits 6.3 us (8.6 at 16384), 248k 6.8 (8.6)
+# argmax_prob in one launch: argmax_partial's last part of a row merges the row's partials (counters keyed by the
+# logits' address: the same buffer is never picked on two streams at once); False: argmax_combine's launch after.
+_ARGMAX_ONE_LAUNCH = True
 
 
 def _writable(x: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> bool:
@@ -1162,10 +1227,13 @@ def argmax_prob(
     chunk = -(-chunk // 8) * 8
     parts = -(-n // chunk)
     vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    cnt = None
     if parts > 1:
         ws = torch.empty((3, t, parts), dtype=torch.float32, device=logits.device)
         pm, ps = _p(ws[0]), _p(ws[1])
         pi = _p(ws[2])  # int32 partial indices stored in the third fp32 plane (same size)
+        # the last part of each row to finish merges the row (one launch); None: argmax_combine's launch after
+        cnt = _counters(logits.device, ("argmax", lg.data_ptr()), t) if _ARGMAX_ONE_LAUNCH else None
     else:
         pm = ps = pi = _NULL
     _launch(
@@ -1175,10 +1243,20 @@ def argmax_prob(
         (parts, t),
         (_AM_THREADS,),
         la.ArgmaxPartialArgs(
-            logits=lg, ls0=lg.stride(0), n=n, chunk=chunk, vec_ok=vec_ok, pm=pm, ps=ps, pi=pi, tok=tok, prob=prob
-        ),
+            logits=lg,
+            ls0=lg.stride(0),
+            n=n,
+            chunk=chunk,
+            vec_ok=vec_ok,
+            pm=pm,
+            ps=ps,
+            pi=pi,
+            tok=tok,
+            prob=prob,
+            cnt=cnt,
+        ),  # fmt: skip
     )
-    if parts > 1:
+    if parts > 1 and cnt is None:
         _launch(
             "argmax_combine",
             logits.dtype,
@@ -1248,6 +1326,11 @@ def mtp_prefc(
     return y
 
 
+def _one_long(start: torch.Tensor | None) -> bool:
+    """A device-side start the acceptance kernels read as start[0]: None, or one int64 element."""
+    return start is None or (start.dtype == torch.int64 and start.numel() == 1)
+
+
 def _accept_ints_ok(*ints: torch.Tensor) -> bool:
     """The integer operands of an acceptance kernel: all int64, the last (`out`, written in place) contiguous."""
     return all(t.dtype == torch.int64 for t in ints) and ints[-1].is_contiguous()
@@ -1260,11 +1343,11 @@ def greedy_accept(
     p_min: float,
     cache_len: torch.Tensor,
     out: torch.Tensor,
+    start: torch.Tensor | None = None,
 ) -> None:
-    if not _cuda_ok(drafts, draft_probs, target_tokens, cache_len, out) or not _accept_ints_ok(
-        drafts, target_tokens, cache_len, out
-    ):
-        return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out)
+    ints = (drafts, target_tokens, cache_len) + ((start,) if start is not None else ()) + (out,)
+    if not _cuda_ok(drafts, draft_probs, *ints) or not _accept_ints_ok(*ints) or not _one_long(start):
+        return _fallback("greedy_accept", drafts)(drafts, draft_probs, target_tokens, p_min, cache_len, out, start)
     n = drafts.shape[0]
     d = drafts.contiguous()
     pr = draft_probs if draft_probs.dtype == torch.float32 else draft_probs.float()
@@ -1277,7 +1360,7 @@ def greedy_accept(
         out.device,
         (1,),
         (32,),
-        la.GreedyAcceptArgs(drafts=d, probs=pr, target=tt, p_min=p_min, cache_len=cl, out=out, n=n),
+        la.GreedyAcceptArgs(drafts=d, probs=pr, target=tt, p_min=p_min, cache_len=cl, out=out, n=n, start=start),
     )
     return None
 
@@ -1578,7 +1661,7 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
     plain = _gemv_plain_names(dtype, device)
     tc = plain[len(_GEMV_SIMT) :]
     silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
-    return (*plain, "gemv_combine", *(f"{name}_an" for name in plain), *silu)
+    return (*plain, "gemv_combine", "gemv_combine_sm", *(f"{name}_an" for name in plain), *silu)
 
 
 def gemv_rule_kernels(device: torch.device | str | int, dtype: torch.dtype, dk: int) -> bool:
@@ -1795,15 +1878,19 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     """silu_mul(gemv(x, w, variant)) for the MLP's packed gate|up weight [2 I, K]: one launch (the kernel's "_sm"
     form: each output column's gate and up rows in one warp or tile, silu_mul's arithmetic on the two rounded
     sums, so the result is bit for bit the two launches' of a variant without K splits). A variant that splits
-    K (or a simt1 one, whose sums are simt2's) keeps its product and adds silu_mul's launch; a shape the kernels
-    do not take is the reference."""
+    K is two launches: its product into fp32 partials, then gemv_combine_sm (the split sum and silu_mul's
+    arithmetic; the same bits as gemv then silu_mul); a shape the kernels do not take is the reference."""
     if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0] or w.shape[0] % 2:
         return _fallback("gemv_silu_mul", x)(x, w, variant)
     name, grid, block, smem, _, splits = _gemv_launch(x, w, variant)  # the plain product's launch over 2 I rows
-    if splits > 1:
-        return silu_mul(gemv(x, w, variant))
     m, k = x.shape
     i = w.shape[0] // 2
+    if splits > 1:
+        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+        part, splits = _gemv_main(x, w, variant, out)  # out is not written: the product goes to the partials
+        combine = la.GemvCombineSiluArgs(part=part, out=out, S=splits, M=m, I=i)
+        _launch_gemv("gemv_combine_sm", x.dtype, x.device, (-(-(m * i) // 256),), (256,), combine)
+        return out
     vec_ok = _gemv_vec_ok(x, w)  # the up half starts I rows on: aligned with the rows
     if name.startswith("gemv_simt_"):  # simt1 and simt2 sum a column alike (vectors in the same order): the
         name, grid = name[: name.rindex("_c")] + "_c2_sm", (-(-i // (block[0] // 32)),)  # two-row form, a warp a column
@@ -1893,6 +1980,9 @@ _KERNELS_PER_DTYPE = (
         "gdn_gates",
         "mtp_prefc_ws",
         "mtp_prefc_wf",
+        "embed_rmsnorm_ws",
+        "embed_rmsnorm_wf",
+        "store_rows",
     ]
     + [f"gated_rmsnorm_w{a}_g{b}" for a in "sf" for b in "sf"]
     + [f"attn_vec_u{u}_g{g}" for u in (2, 4) for g in (1, 2, 4, 8)]
@@ -1968,6 +2058,8 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         gated_delta_rule_ab(qq, qq, vv, z(2, 2, **kw), z(2, 2, **kw), z(2, device=device), z(2, **kw), st, start)
     for wa in (w, w.float()):
         mtp_prefc(torch.ones(2, dtype=torch.int64, device=device), x, x, wa, wa, 1e-6)
+        embed_rmsnorm(torch.ones(2, dtype=torch.int64, device=device), x, wa, 1e-6)
+    store_rows(z(4, 64, **kw), x, start)
     lg = torch.randn(2, 3 * _AM_MIN_PER_BLOCK, **kw)
     argmax_prob(lg, 0)
     argmax_prob(lg, 100)
@@ -1979,6 +2071,7 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         0.5,
         z(1, dtype=torch.int64, device=device),
         out,
+        start,
     )
     seed = z(1, dtype=torch.int64, device=device)
     probs = sample_probs(lg[:, :100], 0, 0.7, 5, 0.9, 0.05)

@@ -104,6 +104,17 @@ MtpPrefcArgs = builder(
     "mtp_prefc_ws",
     "mtp_prefc_wf",
 )
+EmbedRmsNormArgs = builder(
+    "EmbedRmsNormArgs",
+    "ptr ids, ptr embed, i64 es, i64 vocab, ptr w, ptr y, ptr s, i32 d, f32 eps",
+    "embed_rmsnorm_ws",
+    "embed_rmsnorm_wf",
+)
+StoreRowsArgs = builder(
+    "StoreRowsArgs",
+    "ptr src, i64 ss, ptr dst, i64 ds, ptr start_ptr, i64 start_val, i32 d, i64 n_dst",
+    "store_rows",
+)
 GatedRmsNormArgs = builder(
     "GatedRmsNormArgs",
     "ptr x, i64 xs, ptr gate, i64 gs, ptr w, ptr y, i32 d, f32 eps",
@@ -204,7 +215,7 @@ AttnPrepArgs = builder(
 )
 ArgmaxPartialArgs = builder(
     "ArgmaxPartialArgs",
-    "ptr logits, i64 ls0, i32 n, i32 chunk, i32 vec_ok, ptr pm, ptr ps, ptr pi, ptr tok, ptr prob",
+    "ptr logits, i64 ls0, i32 n, i32 chunk, i32 vec_ok, ptr pm, ptr ps, ptr pi, ptr tok, ptr prob, ptr cnt",
     "argmax_partial",
 )
 ArgmaxCombineArgs = builder(
@@ -214,7 +225,7 @@ ArgmaxCombineArgs = builder(
 )
 GreedyAcceptArgs = builder(
     "GreedyAcceptArgs",
-    "ptr drafts, ptr probs, ptr target, f64 p_min, ptr cache_len, ptr out, i32 n",
+    "ptr drafts, ptr probs, ptr target, f64 p_min, ptr cache_len, ptr out, i32 n, ptr start",
     "greedy_accept",
 )
 
@@ -254,6 +265,11 @@ GemvCombineArgs = builder(
     "GemvCombineArgs",
     "ptr part, ptr out, i32 S, i32 MN",
     "gemv_combine",
+)
+GemvCombineSiluArgs = builder(
+    "GemvCombineSiluArgs",
+    "ptr part, ptr out, i32 S, i32 M, i32 I",
+    "gemv_combine_sm",
 )
 
 # ---- sampling_kernels.cu -----------------------------------------------------------------------------

@@ -31,6 +31,27 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def embed_rmsnorm(
+    ids: torch.Tensor, embed: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's first step: s = embed[ids] (the residual stream) and its rmsnorm; returns (rmsnorm(s), s),
+    like add_rmsnorm. ids [T] int64, embed [V, H]."""
+    s = F.embedding(ids, embed)
+    return rmsnorm(s, weight, eps), s
+
+
+def store_rows(dst: torch.Tensor, rows: torch.Tensor, start: Start) -> None:
+    """dst[start + r] = rows[r] for r < T (rows [T, H] into dst [N, H], in place; start + T <= N). A device
+    start is read on the device (no host sync: capturable)."""
+    t = rows.shape[0]
+    if isinstance(start, torch.Tensor) and start.device == dst.device:
+        at = start.reshape(-1)[:1] + torch.arange(t, device=dst.device)
+        dst.index_copy_(0, at, rows)
+    else:
+        b = _host(start)
+        dst[b : b + t] = rows
+
+
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,6 +508,7 @@ def greedy_accept(
     p_min: float,
     cache_len: torch.Tensor,
     out: torch.Tensor,
+    start: torch.Tensor | None = None,
 ) -> None:
     """Greedy acceptance, written into device buffers so no host decision sits inside a round.
 
@@ -494,7 +516,8 @@ def greedy_accept(
     at each verify row). A draft counts only while every draft before it, and itself, has prob >= p_min
     (n_valid). k = longest prefix of the valid drafts equal to the target's picks; the bonus token is
     target_tokens[k]. Writes out[0] = k + 1 (tokens emitted), out[1] = n_valid, out[2 : 3 + k] = drafts[:k]
-    then the bonus, and adds k + 1 to cache_len[0] (the target consumed the last token and k drafts).
+    then the bonus, and adds k + 1 to cache_len[0] (the target consumed the last token and k drafts); with
+    `start` (one int64, the round's first position) it sets cache_len[0] = start + k + 1 instead.
     out must hold n + 3 int64.
     """
     n = drafts.shape[0]
@@ -508,7 +531,10 @@ def greedy_accept(
     out[1] = n_valid
     out[2 : 2 + k] = drafts[:k]
     out[2 + k] = target_tokens[k]
-    cache_len[0] += k + 1
+    if start is not None:
+        cache_len[0] = start.reshape(-1)[0] + k + 1
+    else:
+        cache_len[0] += k + 1
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------

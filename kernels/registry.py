@@ -38,6 +38,8 @@ NAMES = (
     "gemv_add_rmsnorm",
     "gemv_silu_mul",
     "mtp_prefc",
+    "embed_rmsnorm",
+    "store_rows",
     "gated_delta_rule_ab",
     "gated_delta_rule_ab_norm",
     "conv_delta_rule_norm",

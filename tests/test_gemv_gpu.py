@@ -260,9 +260,9 @@ def test_gemv_add_rmsnorm_takes_the_reference_where_rows_are_not_whole_vectors(k
 @pytest.mark.parametrize("n,k", [(24576, 4096), (2048, 1024), (74, 136), (16, 64)])
 def test_gemv_silu_mul_one_launch(kc, dtype, n, k):
     """The MLP's gate|up product and its activation in one launch (the "_sm" form): for every launch variant and
-    row count, bit for bit the variant's product followed by silu_mul (the same sums: a variant that splits K
-    keeps the two launches), and close to the reference; never a fallback. (74, 136): an output width that is
-    not a whole tile and a K that is not a whole tensor-core step."""
+    row count, bit for bit the variant's product followed by silu_mul (the same sums; a variant that splits K: its
+    product, then gemv_combine_sm), and close to the reference; never a fallback. (74, 136): an output width that
+    is not a whole tile and a K that is not a whole tensor-core step."""
     w = weight(n, k, dtype)
     before = kc.registry.fallbacks().get("gemv_silu_mul", 0)
     for m in (1, 2, 6, 9, 17):
@@ -276,6 +276,30 @@ def test_gemv_silu_mul_one_launch(kc, dtype, n, k):
             assert torch.equal(got, kc.silu_mul(kc.gemv(x, w, variant))), label
             close(got, want, label)
     assert kc.registry.fallbacks().get("gemv_silu_mul", 0) == before
+
+
+def test_gemv_silu_mul_with_k_splits_is_two_launches(kc, monkeypatch):
+    """A variant that splits K: the product into partials, then one launch for the split sum and the activation
+    (gemv_combine_sm), no silu_mul after; the bits of gemv then silu_mul; a variant without splits is one launch."""
+    names = []
+    launch = kc._launch_gemv
+    monkeypatch.setattr(kc, "_launch_gemv", lambda name, *a, **k: (names.append(name), launch(name, *a, **k))[1])
+    dtype = torch.bfloat16
+    for n, k, m in ((24576, 4096, 1), (2048, 8192, 6)):  # the 9B-like gate|up at one row; a narrow one at six
+        w = weight(n, k, dtype)
+        x = rows(m, k, dtype, seed=11 + m)
+        variants = kc.gemv_variants(m, n, k, dtype, CUDA)
+        split = [v for v in variants if kc.registry.parse_gemv_variant(v)[2] > 1]
+        whole = [v for v in variants if kc.registry.parse_gemv_variant(v)[2] == 1]
+        assert split and whole, (n, k, m, variants)
+        for variant in (split[0], split[-1]):
+            names.clear()
+            got = kc.gemv_silu_mul(x, w, variant)
+            assert len(names) == 2 and names[1] == "gemv_combine_sm", (variant, names)
+            assert torch.equal(got, kc.silu_mul(kc.gemv(x, w, variant))), variant
+        names.clear()
+        kc.gemv_silu_mul(x, w, whole[0])
+        assert len(names) == 1 and names[0].endswith("_sm"), names
 
 
 def test_gemv_silu_mul_unaligned_and_in_a_graph(kc):

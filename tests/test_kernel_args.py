@@ -89,14 +89,15 @@ def test_pack_orders_converts_and_refuses_a_foreign_kernel():
     import torch
 
     t = torch.zeros(4)
-    args = la.GreedyAcceptArgs(drafts=t, probs=None, target=la.NULL, p_min=0.5, cache_len=t, out=t, n=3)
+    args = la.GreedyAcceptArgs(drafts=t, probs=None, target=la.NULL, p_min=0.5, cache_len=t, out=t, n=3, start=None)
     packed = la.pack("greedy_accept", args)
-    assert [type(v) for v in packed] == [np.uint64, np.uint64, np.uint64, np.float64, np.uint64, np.uint64, np.int32]
-    assert packed[0] == t.data_ptr() and packed[1] == 0 and packed[6] == 3
+    u, f, i = np.uint64, np.float64, np.int32
+    assert [type(v) for v in packed] == [u, u, u, f, u, u, i, u]
+    assert packed[0] == t.data_ptr() and packed[1] == 0 and packed[6] == 3 and packed[7] == 0
     with pytest.raises(TypeError, match="does not describe"):
         la.pack("argmax_combine", args)
     with pytest.raises(TypeError):
-        la.GreedyAcceptArgs(drafts=t, probs=t, target=t, p_min=0.5, cache_len=t, out=t)  # n missing
+        la.GreedyAcceptArgs(drafts=t, probs=t, target=t, p_min=0.5, cache_len=t, out=t, start=t)  # n missing
 
 
 def test_a_reordered_parameter_would_fail():

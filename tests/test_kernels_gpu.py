@@ -594,6 +594,26 @@ def _logits(t, vocab, n, dtype):
     return lg.to(dtype), hot
 
 
+def test_reference_bookkeeping_ops_on_the_cpu():
+    """embed_rmsnorm is the gather then rmsnorm (the residual is the row itself); store_rows puts rows at start.. for a
+    host or tensor start; greedy_accept with a start sets the cache length from it instead of adding."""
+    embed, w = torch.randn(10, 8), torch.randn(8)
+    ids = torch.tensor([3, 0, 9])
+    y, s = ref.embed_rmsnorm(ids, embed, w, 1e-6)
+    assert torch.equal(s, embed[ids]) and torch.equal(y, ref.rmsnorm(embed[ids], w, 1e-6))
+    rows = torch.randn(2, 8)
+    for start in (4, torch.tensor([4])):
+        dst = torch.zeros(7, 8)
+        ref.store_rows(dst, rows, start)
+        assert torch.equal(dst[4:6], rows) and not dst[:4].any() and not dst[6:].any()
+    out, cache_len = torch.zeros(5, dtype=torch.int64), torch.tensor([99])
+    drafts, target = torch.tensor([5, 6]), torch.tensor([5, 7, 8])
+    ref.greedy_accept(drafts, torch.ones(2), target, 0.0, cache_len, out, torch.tensor([20]))
+    assert out.tolist() == [2, 2, 5, 7, 0] and cache_len.tolist() == [22]
+    ref.greedy_accept(drafts, torch.ones(2), target, 0.0, cache_len, out)
+    assert cache_len.tolist() == [24]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [320, 16384, 32768, 262144])
@@ -650,8 +670,91 @@ def test_greedy_accept(kc):
                 kc.greedy_accept(drafts.to(CUDA), probs.to(CUDA), target.to(CUDA), p_min, cl_d, out_d)
                 assert out_d.cpu().tolist() == out_h.tolist(), (n, p_min, drafts, probs, target)
                 assert cl_d.cpu().tolist() == cl_h.tolist()
+                # with the round's start: cache_len = start + k + 1, whatever cache_len held
+                start_h = torch.tensor([40], dtype=torch.int64)
+                ref.greedy_accept(drafts, probs, target, p_min, cl_h, out_h, start_h)
+                kc.greedy_accept(drafts.to(CUDA), probs.to(CUDA), target.to(CUDA), p_min, cl_d, out_d, start_h.to(CUDA))
+                assert cl_h.tolist() == [40 + out_h[0].item()] and cl_d.cpu().tolist() == cl_h.tolist()
+                assert out_d.cpu().tolist() == out_h.tolist()
                 cases += 1
     assert cases == 144
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 384, 4096, 9000])
+@pytest.mark.parametrize("t", [1, 6, 40])
+def test_embed_rmsnorm(kc, dtype, d, t):
+    """The residual is the embedding row itself and the normed row is rmsnorm's kernel bit for bit (both weight
+    dtypes; d 9000 takes the looped path), both close to the reference."""
+    torch.manual_seed(d + t)
+    vocab = 300
+    embed = torch.randn(vocab, d, device=CUDA, dtype=dtype)
+    ids = torch.randint(0, vocab, (t,), device=CUDA)
+    for w in (torch.randn(d, device=CUDA, dtype=dtype) * 0.1, torch.randn(d, device=CUDA) * 0.1):
+        y, s = kc.embed_rmsnorm(ids, embed, w, 1e-6)
+        ry, rs = ref.embed_rmsnorm(ids, embed, w, 1e-6)
+        assert torch.equal(s, rs) and s.dtype == dtype
+        assert torch.equal(y, kc.rmsnorm(embed[ids], w, 1e-6))
+        close(y, ry, "embed_rmsnorm")
+    assert kc.embed_rmsnorm(ids[:0], embed, w, 1e-6)[0].shape == (0, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_rows(kc, dtype):
+    """Rows land at start.. (a device start read on the device, a host int), as the reference puts them; a row
+    whose place lies past the end is not written (nothing else is touched)."""
+    torch.manual_seed(5)
+    rows = torch.randn(5, 96, device=CUDA, dtype=dtype)
+    for start in (torch.tensor([7], device=CUDA), 7, 0, torch.tensor([15], device=CUDA)):
+        got = torch.randn(20, 96, device=CUDA, dtype=dtype)
+        want = got.clone()
+        kc.store_rows(got, rows, start)
+        ref.store_rows(want, rows, start)
+        assert torch.equal(got, want), start
+    tail = torch.zeros(10, 96, device=CUDA, dtype=dtype)
+    kc.store_rows(tail, rows, torch.tensor([8], device=CUDA))  # rows 8, 9 fit; 10..12 would not
+    assert torch.equal(tail[8:], rows[:2]) and not tail[:8].any()
+    strided = torch.randn(5, 200, device=CUDA, dtype=dtype)[:, :96]  # a row stride of its own
+    got = torch.zeros(20, 96, device=CUDA, dtype=dtype)
+    kc.store_rows(got, strided, 3)
+    assert torch.equal(got[3:8], strided) and not got[:3].any() and not got[8:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 6])
+def test_argmax_prob_is_one_launch_and_replays(kc, dtype, t, monkeypatch):
+    """Over several parts, the last part of each row merges the row: one launch, the same (token, prob) bits as
+    argmax_combine's second launch, again and again from a captured graph (each launch leaves its counters at
+    zero), new logits each replay."""
+    vocab = 32768
+    names = []
+    launch = kc._launch
+    monkeypatch.setattr(kc, "_launch", lambda name, *a, **k: (names.append(name), launch(name, *a, **k))[1])
+    lg, _ = _logits(t, vocab, vocab, dtype)
+    tok, prob = kc.argmax_prob(lg, 0)
+    assert names == ["argmax_partial"]
+    monkeypatch.setattr(kc, "_ARGMAX_ONE_LAUNCH", False)
+    names.clear()
+    tok2, prob2 = kc.argmax_prob(lg, 0)
+    assert names == ["argmax_partial", "argmax_combine"]
+    assert torch.equal(tok, tok2) and torch.equal(prob, prob2)
+    monkeypatch.setattr(kc, "_ARGMAX_ONE_LAUNCH", True)
+    buf = lg.clone()
+    out = (torch.zeros(t, dtype=torch.int64, device=CUDA), torch.zeros(t, device=CUDA))
+    kc.argmax_prob(buf, 0, out)  # eager first (the counters are made outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kc.argmax_prob(buf, 0, out)
+    for i in range(12):
+        fresh, hot = _logits(t, vocab, vocab, dtype)
+        buf.copy_(fresh)
+        g.replay()
+        rt, rp = ref.argmax_prob(fresh, 0)
+        assert torch.equal(out[0], hot) and torch.equal(out[0], rt), i
+        torch.testing.assert_close(out[1], rp, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.gpu

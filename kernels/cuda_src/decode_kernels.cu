@@ -233,6 +233,49 @@ extern "C" __global__ void mtp_prefc_wf(const long long* tokens, const scalar_t*
     mtp_prefc_impl<float>(tokens, embed, es, vocab, h, hs, we, wh, y, d, eps);
 }
 
+// embed_rmsnorm: the target's first step, residual s [T, d] = embed[ids] and y = rmsnorm(s, w), in one launch
+// (they were the embedding gather and rmsnorm's kernel). One block per row, add_rmsnorm_row with no residual
+// added (the arithmetic of rmsnorm's kernel: y bit for bit rmsnorm(embedding(ids))). An id outside 0..vocab-1
+// (never one the engine passes: prompts are checked against the vocabulary) is clamped, as in mtp_prefc.
+template <typename W>
+__device__ __forceinline__ void embed_rmsnorm_impl(const long long* __restrict__ ids,
+                                                   const scalar_t* __restrict__ embed, long long es,
+                                                   long long vocab, const W* __restrict__ w,
+                                                   scalar_t* __restrict__ y, scalar_t* __restrict__ s, int d,
+                                                   float eps) {
+    const long long row = blockIdx.x;
+    long long t = ids[row];
+    t = t < 0 ? 0 : (t >= vocab ? vocab - 1 : t);
+    add_rmsnorm_row<W>(embed + t * es, nullptr, w, y + row * (long long)d, s + row * (long long)d, d, eps);
+}
+extern "C" __global__ void embed_rmsnorm_ws(const long long* ids, const scalar_t* embed, long long es,
+                                            long long vocab, const scalar_t* w, scalar_t* y, scalar_t* s, int d,
+                                            float eps) {
+    PDL_ENTER();
+    embed_rmsnorm_impl<scalar_t>(ids, embed, es, vocab, w, y, s, d, eps);
+}
+extern "C" __global__ void embed_rmsnorm_wf(const long long* ids, const scalar_t* embed, long long es,
+                                            long long vocab, const float* w, scalar_t* y, scalar_t* s, int d,
+                                            float eps) {
+    PDL_ENTER();
+    embed_rmsnorm_impl<float>(ids, embed, es, vocab, w, y, s, d, eps);
+}
+
+// store_rows: dst[start + r, :d] = src[r, :d] for the T rows of src (grid T, a block a row): a round's hidden
+// rows saved where the MTP head reads them, at the device-side start (one launch; it was an index add and
+// index_copy). A row whose place lies outside dst's n_dst rows is not written.
+extern "C" __global__ void store_rows(const scalar_t* __restrict__ src, long long ss, scalar_t* __restrict__ dst,
+                                      long long ds, const long long* start_ptr, long long start_val, int d,
+                                      long long n_dst) {
+    PDL_ENTER();
+    const long long row = blockIdx.x;
+    const long long at = read_start(start_ptr, start_val) + row;
+    if (at < 0 || at >= n_dst) return;
+    const scalar_t* sr = src + row * ss;
+    scalar_t* dr = dst + at * ds;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) dr[i] = sr[i];
+}
+
 // gated_rmsnorm: y = weight * rmsnorm_plain(x).to(dtype); out = (y * silu(gate.float())).to(dtype).
 // With W == scalar_t the product weight * y is a dtype op (rounded to dtype); with W == float it is fp32.
 template <typename W, typename G>
@@ -1512,9 +1555,8 @@ __device__ __forceinline__ void am_push(float& m, float& s, int& idx, float v, i
     }
 }
 
-__device__ __forceinline__ void am_block(float& m, float& s, int& idx) {
-    __shared__ float sm[32], ss[32];
-    __shared__ int si[32];
+// (max, its lowest index, sum of exp) merged over the warp's lanes (a butterfly: every lane gets the result).
+__device__ __forceinline__ void am_warp(float& m, float& s, int& idx) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
@@ -1522,6 +1564,12 @@ __device__ __forceinline__ void am_block(float& m, float& s, int& idx) {
         const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
         am_merge(m, s, idx, m2, s2, i2);
     }
+}
+
+__device__ __forceinline__ void am_block(float& m, float& s, int& idx) {
+    __shared__ float sm[32], ss[32];
+    __shared__ int si[32];
+    am_warp(m, s, idx);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) {
         sm[w] = m;
@@ -1533,20 +1581,34 @@ __device__ __forceinline__ void am_block(float& m, float& s, int& idx) {
         m = lane < nw ? sm[lane] : NEG_INF;
         s = lane < nw ? ss[lane] : 0.f;
         idx = lane < nw ? si[lane] : I32_MAX;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-            const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-            const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-            am_merge(m, s, idx, m2, s2, i2);
-        }
+        am_warp(m, s, idx);
+    }
+}
+
+// The P partials of row `row` merged by one warp (lane = threadIdx.x < 32) into tok / prob: argmax_combine's
+// launch, or (coherent, the partials written by other blocks of this launch) argmax_partial's last part.
+__device__ __forceinline__ void argmax_merge_row(const float* pm, const float* ps, const int* pi, int P, int row,
+                                                 long long* __restrict__ tok, float* __restrict__ prob,
+                                                 bool coherent) {
+    const int lane = threadIdx.x;
+    float m = NEG_INF, s = 0.f;
+    int idx = I32_MAX;
+    for (int p = lane; p < P; p += 32) {
+        const int at = row * P + p;
+        if (coherent) am_merge(m, s, idx, __ldcg(pm + at), __ldcg(ps + at), __ldcg(pi + at));
+        else am_merge(m, s, idx, pm[at], ps[at], pi[at]);
+    }
+    am_warp(m, s, idx);
+    if (lane == 0) {
+        tok[row] = idx == I32_MAX ? 0 : idx;
+        prob[row] = 1.0f / s;
     }
 }
 
 extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
                                           int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
                                           int* __restrict__ pi, long long* __restrict__ tok,
-                                          float* __restrict__ prob) {
+                                          float* __restrict__ prob, int* __restrict__ cnt) {
     PDL_ENTER();
     const int p = blockIdx.x, P = gridDim.x, row = blockIdx.y;
     const scalar_t* lr = logits + (long long)row * ls0;
@@ -1588,7 +1650,9 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
     }
     for (; i < e; i += step) am_push(m, s, idx, to_f(lr[i]), i);
     am_block(m, s, idx);
+    __shared__ int last;
     if (threadIdx.x == 0) {
+        last = 0;
         if (P == 1) {
             tok[row] = idx == I32_MAX ? 0 : idx;
             prob[row] = 1.0f / s;
@@ -1596,39 +1660,35 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
             pm[row * P + p] = m;
             ps[row * P + p] = s;
             pi[row * P + p] = idx;
+            if (cnt != nullptr) {
+                int old;  // release: this part's partial; acquire: the other parts'
+                asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + row) : "memory");
+                last = old == P - 1;
+                if (last) cnt[row] = 0;  // zero again for the next launch (a captured plan replays with no reset)
+            }
         }
     }
+    __syncthreads();
+    if (last && threadIdx.x < 32) argmax_merge_row(pm, ps, pi, P, row, tok, prob, true);
 }
 
-// One warp per row: merges the P partials of argmax_partial.
+// One warp per row: merges the P partials of argmax_partial (the same merges in the same order either way).
 extern "C" __global__ void argmax_combine(const float* __restrict__ pm, const float* __restrict__ ps,
                                           const int* __restrict__ pi, int P, long long* __restrict__ tok,
                                           float* __restrict__ prob) {
     PDL_ENTER();
-    const int row = blockIdx.x, lane = threadIdx.x;
-    float m = NEG_INF, s = 0.f;
-    int idx = I32_MAX;
-    for (int p = lane; p < P; p += 32) am_merge(m, s, idx, pm[row * P + p], ps[row * P + p], pi[row * P + p]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-        am_merge(m, s, idx, m2, s2, i2);
-    }
-    if (lane == 0) {
-        tok[row] = idx == I32_MAX ? 0 : idx;
-        prob[row] = 1.0f / s;
-    }
+    argmax_merge_row(pm, ps, pi, P, blockIdx.x, tok, prob, false);
 }
 
 // ------------------------------------------------------------------------------------------------
 // greedy_accept: a single thread; see reference.greedy_accept. p_min is compared in double, like the
-// reference's float(draft_probs[i]) >= p_min.
+// reference's float(draft_probs[i]) >= p_min. With `start` non-null the cache length is start + k + 1 (the
+// round's copy of start into cache_len folded in), else cache_len + k + 1.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void greedy_accept(const long long* __restrict__ drafts, const float* __restrict__ probs,
                                          const long long* __restrict__ target, double p_min,
-                                         long long* __restrict__ cache_len, long long* __restrict__ out, int n) {
+                                         long long* __restrict__ cache_len, long long* __restrict__ out, int n,
+                                         const long long* __restrict__ start) {
     PDL_ENTER();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int nv = 0;
@@ -1639,5 +1699,5 @@ extern "C" __global__ void greedy_accept(const long long* __restrict__ drafts, c
     out[1] = nv;
     for (int i = 0; i < k; ++i) out[2 + i] = drafts[i];
     out[2 + k] = target[k];
-    cache_len[0] += k + 1;
+    cache_len[0] = (start != nullptr ? start[0] : cache_len[0]) + k + 1;
 }

@@ -725,6 +725,24 @@ extern "C" __global__ void gemv_combine(const float* __restrict__ part, scalar_t
     for (int s = 0; s < S; ++s) sum += part[(long long)s * MN + i];
     out[i] = gv_out(sum);
 }
+
+// gemv_combine then silu_mul in one launch, for the MLP's packed gate|up product [M, 2 I] made with K splits: out
+// [M, I] = silu_mul's arithmetic on each column's gate and up sums, each added in split order and rounded once as
+// gemv_combine rounds them (gv_silu_mul), so the same bits as the two launches.
+extern "C" __global__ void gemv_combine_sm(const float* __restrict__ part, scalar_t* __restrict__ out, int S, int M,
+                                           int I) {
+    PDL_ENTER();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M * I) return;
+    const int m = i / I;
+    const long long MN = 2LL * M * I, g0 = (long long)m * 2 * I + (i - m * I);
+    float gate = 0.f, up = 0.f;
+    for (int s = 0; s < S; ++s) {
+        gate += part[s * MN + g0];
+        up += part[s * MN + g0 + I];
+    }
+    out[i] = gv_silu_mul(gate, up);
+}
 #endif
 
 // ---- the delta-net's in_proj product and its decode step in one launch (op gemv_conv_delta_rule_norm) ------
