@@ -13,9 +13,11 @@
   several distinct weights of that shape, so that L2 does not flatter it; a variant whose result disagrees
   with cuBLAS is never chosen). The model's own shapes are measured when the mode is set (at load), shapes
   first seen later (a sub-vocab slice of the LM head) at their first eager use, never inside a graph capture
-  (a capture meeting an unmeasured shape uses the default launch). The MLP's gate|up shape is timed with its
-  activation, and its one-launch form (a variant without K splits) is kept unless cuBLAS + silu_mul is more
-  than 1% faster (`pick`).
+  (a capture meeting an unmeasured shape uses the default launch). A shape whose product always has an epilogue
+  is timed with it: the MLP's gate|up with its activation (cuBLAS + silu_mul against a variant's one-launch form,
+  which needs a variant without K splits), the row-parallel projections that join the residual stream (o_proj,
+  out_proj, down_proj) with the residual add and the next norm (cuBLAS + add_rmsnorm against any variant's
+  one-launch form); the one-launch form is kept unless the two launches are more than 1% faster (`pick`).
   Choices are cached on disk per GPU (engine/gemm_cache.py), so a second load measures nothing.
 
 - "exact": every product of 1..17 rows through one gemv variant per weight shape whose result for a row does not
@@ -31,6 +33,7 @@ product on cuBLAS, with one notice line on stderr and in `Engine.info["gemm_noti
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -54,12 +57,17 @@ _TUNE_MIN_CALLS = 16
 _TUNE_REPLAYS = 3
 _TUNE_CLONE_BYTES = 512 << 20  # the most a measurement clones to get past L2
 _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at most _TUNE_MIN_CALLS calls)
-# The product + activation shapes (gate|up): cuBLAS then silu_mul is two launches, a gemv variant's fused form one.
-# The one-launch form is kept unless cuBLAS + silu_mul is faster by more than this fraction: the timing of each
-# candidate repeats the same launches back to back, where the second launch costs nothing extra, while a decode
-# step's graph pays for every launch (issue 20: launches per token). The rule is part of the cache key.
+# The shapes with an epilogue: cuBLAS then the epilogue's kernel is two launches, a gemv variant's fused form one
+# (gate|up + silu_mul: a variant without K splits, one that splits K being its product then gemv_combine_sm, two;
+# a projection + add_rmsnorm: any variant, its split sum is in the launch). The one-launch form is kept unless a
+# form of two launches is faster by more than this fraction: the
+# timing of each candidate repeats the same launches back to back, where the second launch costs nothing extra,
+# while a decode step's graph pays for every launch (issue 20: launches per token). The rule is part of the cache
+# key.
 _ONE_LAUNCH_MARGIN = 0.01
-_PICK_RULE = "one-launch 1% s1"
+_PICK_RULE = "one-launch 1% over any (silu s1, norm)"
+# the epilogues a shape can be timed with: the MLP's activation, the residual add + the next norm
+EPILOGUES = ("silu", "norm")
 
 # The delta-net's in_proj product + decode step in one launch (GemvProducts.conv_delta_rule_norm) where the product
 # runs a gemv kernel: with the tensor-core tile variant (its occupancy is the same with the rule's registers, a
@@ -143,9 +151,10 @@ class GemvProducts:
         self.choices: dict[tuple[int, int, int], str] = {}
         self.timings: dict[tuple[int, int, int], dict[str, float]] = {}
         self.measured = 0  # (shape, bucket) pairs measured on the device by this object (not from the cache)
-        # Weight shapes whose product is always followed by the MLP's activation (the packed gate|up): "auto"
-        # times them as product + silu_mul (cuBLAS and a launch more, or the gemv kernel's one-launch form)
-        self.activation_shapes: set[tuple[int, int]] = set()
+        # Weight shape -> the epilogue that always follows its product ("silu": the packed gate|up, "norm": the
+        # projections that add_rmsnorm follows): "auto" times them with it (cuBLAS and a launch more, or the gemv
+        # kernel's one-launch form)
+        self.epilogues: dict[tuple[int, int], str] = {}
         # (n, k, bucket index) -> the variant whose fused form made that product with the delta-net's step instead of
         # the choice (conv_delta_rule_norm): shown beside the choice in `labels`
         self.fused: dict[tuple[int, int, int], str] = {}
@@ -236,12 +245,17 @@ class GemvProducts:
 
     # ---- auto: measuring --------------------------------------------------------------------------------
     def tune(
-        self, shapes: dict[tuple[int, int], list[torch.Tensor]], activation: set[tuple[int, int]] | None = None
+        self,
+        shapes: dict[tuple[int, int], list[torch.Tensor]],
+        activation: set[tuple[int, int]] | None = None,
+        norm: set[tuple[int, int]] | None = None,
     ) -> None:
         """Choose for every weight shape (with the model's tensors of that shape) and row bucket: mode "cupy"
         its default launches, mode "auto" from the cache or by measuring (then the cache is written). The shapes
-        in `activation` are measured with the MLP's activation after the product (see silu_mul)."""
-        self.activation_shapes = set(activation or ())
+        in `activation` are measured with the MLP's activation after the product (see silu_mul), those in `norm`
+        with the residual add and norm after it (see add_rmsnorm; a shape in both counts as an activation)."""
+        self.epilogues = {shape: "norm" for shape in norm or ()}
+        self.epilogues |= {shape: "silu" for shape in activation or ()}
         if not self.ok:
             return
         self._tuning = True
@@ -257,13 +271,14 @@ class GemvProducts:
                 self.cache.save()
 
     def _tuned(self, b: int, n: int, k: int, weights: list[torch.Tensor]) -> str:
-        silu = (n, k) in self.activation_shapes
-        key = cache_key(self.gpu, self.dtype, n, k, bucket_label(b) + (" silu" if silu else ""), self.version)
+        epilogue = self.epilogues.get((n, k))
+        label = bucket_label(b) + (f" {epilogue}" if epilogue else "")
+        key = cache_key(self.gpu, self.dtype, n, k, label, self.version)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
         try:
-            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights, silu)
+            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights, epilogue)
         except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: cuBLAS
             warnings.warn(
                 f"gemm auto: measuring {n}x{k} {bucket_label(b)} failed ({type(exc).__name__}: {exc}); "
@@ -294,31 +309,30 @@ class GemvProducts:
         return ws
 
     def _measure(
-        self, m: int, n: int, k: int, weights: list[torch.Tensor], silu: bool = False
+        self, m: int, n: int, k: int, weights: list[torch.Tensor], epilogue: str | None = None
     ) -> tuple[str, dict[str, float]]:
-        """(fastest candidate, us per call of each) for [m, k] x [n, k]^T; `silu`: the product followed by the
-        MLP's activation (cuBLAS then silu_mul, against each variant's one-launch gemv_silu_mul)."""
+        """(fastest candidate, us per call of each) for [m, k] x [n, k]^T; `epilogue` (EPILOGUES): the product
+        followed by the MLP's activation ("silu": cuBLAS then silu_mul, against each variant's one-launch
+        gemv_silu_mul) or by the residual add and norm ("norm": cuBLAS then add_rmsnorm, against each variant's
+        one-launch gemv_add_rmsnorm). A variant is checked against cuBLAS on its product (with the activation for
+        "silu")."""
         ws = self._weights(weights)
         each = ws[0].numel() * ws[0].element_size()
         count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
         calls = [ws[i % len(ws)] for i in range(count)]
         g = torch.Generator(device=self.device).manual_seed(n * 7919 + k * 31 + m)
         x = torch.randn((m, k), device=self.device, generator=g).to(self.dtype)
+        silu = epilogue == "silu"
         expect = (ops.silu_mul(F.linear(x, ws[0])) if silu else F.linear(x, ws[0])).float()
         scale = float(expect.abs().max()) or 1.0
         tol = 1e-3 if self.dtype == torch.float32 else 3e-2
+        timed = _timed_forms(x, epilogue, g)
         times: dict[str, float] = {}
         for candidate in ["cublas", *ops.gemv_variants(m, n, k, self.dtype, self.device)]:
-            if candidate == "cublas":
-
-                def product(w, x=x):
-                    return ops.silu_mul(F.linear(x, w)) if silu else F.linear(x, w)
-            else:
-
-                def product(w, x=x, c=candidate):
-                    return ops.gemv_silu_mul(x, w, c) if silu else ops.gemv(x, w, c)
-
-                err = float((product(ws[0]).float() - expect).abs().max())
+            product = functools.partial(timed, candidate)
+            if candidate != "cublas":
+                check = ops.gemv_silu_mul(x, ws[0], candidate) if silu else ops.gemv(x, ws[0], candidate)
+                err = float((check.float() - expect).abs().max())
                 if not err <= tol * scale:
                     warnings.warn(
                         f"gemm auto: gemv variant {candidate} disagrees with cuBLAS on {m}x{k} @ {n}x{k} "
@@ -327,16 +341,50 @@ class GemvProducts:
                     )
                     continue
             times[candidate] = _graph_seconds(lambda p=product: [p(w) for w in calls], self.device) / len(calls) * 1e6
-        return pick(times, silu), {c: round(t, 3) for c, t in times.items()}
+        return pick(times, epilogue), {c: round(t, 3) for c, t in times.items()}
 
 
-def pick(times: dict[str, float], one_launch_preferred: bool) -> str:
-    """The candidate to use from measured us per call: the fastest; for a product + activation shape, the fastest
-    gemv variant without K splits (one launch; one that splits K is its product, the split sum and silu_mul) unless
-    cuBLAS + silu_mul (two) is faster by more than _ONE_LAUNCH_MARGIN."""
+def _timed_forms(x: torch.Tensor, epilogue: str | None, g: torch.Generator):
+    """form(candidate, w): what a decode step runs for x @ w^T with `epilogue` after it, by candidate ("cublas" or
+    a gemv variant), for the timing."""
+    n_rows = x.shape[0]
+    if epilogue == "norm":
+        norm_w: dict[int, torch.Tensor] = {}
+
+        def operands(w):
+            if w.shape[0] not in norm_w:  # a residual and norm weight of the output's width (made once)
+                r = torch.randn((n_rows, w.shape[0]), device=x.device, generator=g).to(x.dtype)
+                norm_w[w.shape[0]] = (r, torch.randn(w.shape[0], device=x.device, generator=g) * 0.1)
+            return norm_w[w.shape[0]]
+
+        def form(candidate, w):
+            r, nw = operands(w)
+            if candidate == "cublas":
+                return ops.add_rmsnorm(F.linear(x, w), r, nw, 1e-6)
+            return ops.gemv_add_rmsnorm(x, w, r, nw, 1e-6, candidate)
+    elif epilogue == "silu":
+
+        def form(candidate, w):
+            return ops.silu_mul(F.linear(x, w)) if candidate == "cublas" else ops.gemv_silu_mul(x, w, candidate)
+    else:
+
+        def form(candidate, w):
+            return F.linear(x, w) if candidate == "cublas" else ops.gemv(x, w, candidate)
+
+    return form
+
+
+def pick(times: dict[str, float], epilogue: str | None = None) -> str:
+    """The candidate to use from measured us per call: the fastest; for a shape with an epilogue (EPILOGUES), the
+    fastest gemv variant whose fused form is one launch (for "silu" a variant without K splits: one that splits K is
+    its product, then its split sum with silu_mul; for "norm" any) unless the fastest candidate of more launches
+    (cuBLAS and the epilogue's kernel; for "silu" a variant that splits K) is faster by more than
+    _ONE_LAUNCH_MARGIN."""
     best = min(times, key=times.get)
-    fused = [c for c in times if c != "cublas" and (ops.parse_gemv_variant(c) or ("", 0, 0))[2] == 1]  # no K split
-    if one_launch_preferred and best == "cublas" and fused:
+    fused = [c for c in times if c != "cublas" and ops.parse_gemv_variant(c) is not None]
+    if epilogue == "silu":
+        fused = [c for c in fused if ops.parse_gemv_variant(c)[2] == 1]  # no K split
+    if epilogue in EPILOGUES and fused:  # the fastest may be cuBLAS or (silu) a K split: two launches
         one = min(fused, key=times.get)
         if times[one] <= times[best] * (1.0 + _ONE_LAUNCH_MARGIN):
             return one
@@ -380,6 +428,7 @@ def gemv_products(mode: str, device: torch.device, dtype: torch.dtype, cache_dir
 __all__ = [
     "GEMM_MODES",
     "ROW_BUCKETS",
+    "EPILOGUES",
     "GemvProducts",
     "TuneCache",
     "autotuned_linear",

@@ -142,7 +142,11 @@ class Model:
         self.gemm = mode
         if self._gemv is not None:
             gate_up = {tuple(t.shape) for name, t in self.w.items() if name.endswith("gate_up_packed")}
-            self._gemv.tune(self.product_weights(), activation=gate_up)
+            # the projections proj_add_norm makes in one launch with the residual add and the next norm
+            joins = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+            fused = self.fuse_norm and not self.group.active
+            norm = {tuple(t.shape) for name, t in self.w.items() if name.endswith(joins)} if fused else set()
+            self._gemv.tune(self.product_weights(), activation=gate_up, norm=norm)
             in_proj = [t for name, t in self.w.items() if name.endswith("in_proj_packed")]
             self._gemv.prepare_rule(in_proj, self.cfg.linear_key_head_dim)
 
@@ -295,8 +299,7 @@ class Model:
         cfg, w = self.cfg, self.w
         eps = cfg.rms_norm_eps
         n = cfg.num_layers
-        residual = F.embedding(ids, w["embed_tokens.weight"])
-        h = ops.rmsnorm(residual, w["layers.0.input_layernorm.weight"], eps)
+        h, residual = ops.embed_rmsnorm(ids, w["embed_tokens.weight"], w["layers.0.input_layernorm.weight"], eps)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
             if kind == "full_attention":

@@ -242,10 +242,10 @@ def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float, s
     """Target over ids_buf[:width]; hidden rows saved; greedy acceptance (or, `synthetic`, the drawn one) into
     out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
-    state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
+    ops.store_rows(state.hidden, hidden, state.start_buf)
     target_tokens, _ = model.pick(hidden, 0)
-    state.cache_len_buf.copy_(state.start_buf)
     if synthetic:
+        state.cache_len_buf.copy_(state.start_buf)
         ops.synthetic_accept(
             state.ids_buf[1:width],
             state.probs_buf[: width - 1],
@@ -265,6 +265,7 @@ def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float, s
         p_min,
         state.cache_len_buf,
         state.out_buf[: width + 2],
+        state.start_buf,  # cache_len = start + accepted: no copy of start before it
     )
 
 
@@ -359,7 +360,7 @@ def _verify_sampled(
     """Target over ids_buf[:width]; hidden rows saved; speculative-sampling acceptance into out_buf /
     cache_len_buf (the layout greedy_accept writes)."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
-    state.hidden.index_copy_(0, state.start_buf + state.row_offsets(width), hidden)
+    ops.store_rows(state.hidden, hidden, state.start_buf)
     p = _process(model.lm_head(hidden), sp)  # [width, V]
     state.cache_len_buf.copy_(state.start_buf)
     ops.spec_accept(

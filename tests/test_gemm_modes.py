@@ -38,8 +38,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: calls["capturing"])
 
-    def measure(self, m, n, k, weights, silu=False):
-        calls["measure"].append((m, n, k, len(weights)) + (("silu",) if silu else ()))
+    def measure(self, m, n, k, weights, epilogue=None):
+        calls["measure"].append((m, n, k, len(weights)) + ((epilogue,) if epilogue else ()))
         best = "tc1.w8.s1" if n > 64 else "cublas"
         return best, {"cublas": 10.0, "tc1.w8.s1": 5.0 if n > 64 else 20.0}
 
@@ -212,17 +212,50 @@ def test_the_pick_keeps_the_one_launch_activation_form_unless_cublas_is_clearly_
     candidate repeats it back to back, which hides the second launch's cost, so a tie (within 1%) goes to the
     single launch; a plain product takes the fastest whatever it is."""
     tie = {"cublas": 50.0, "simt2.w4.s1": 50.4, "tc2.w8.s1": 51.0}
-    assert gemm.pick(tie, one_launch_preferred=True) == "simt2.w4.s1"
-    assert gemm.pick(tie, one_launch_preferred=False) == "cublas"
+    assert gemm.pick(tie, epilogue="silu") == "simt2.w4.s1"
+    assert gemm.pick(tie, epilogue=None) == "cublas"
     clear = {"cublas": 50.0, "simt2.w4.s1": 50.6}
-    assert gemm.pick(clear, one_launch_preferred=True) == "cublas"
+    assert gemm.pick(clear, epilogue="silu") == "cublas"
     faster = {"cublas": 50.0, "tc2.w8.s1": 48.0}
-    assert gemm.pick(faster, one_launch_preferred=True) == "tc2.w8.s1"
-    assert gemm.pick({"cublas": 50.0}, one_launch_preferred=True) == "cublas"  # no variant measured (all refused)
+    assert gemm.pick(faster, epilogue="silu") == "tc2.w8.s1"
+    assert gemm.pick({"cublas": 50.0}, epilogue="silu") == "cublas"  # no variant measured (all refused)
     split = {"cublas": 50.0, "simt2.w4.s2": 50.1, "tc2.w8.s1": 50.4}  # a K split is not one launch
-    assert gemm.pick(split, one_launch_preferred=True) == "tc2.w8.s1"
-    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.2}, one_launch_preferred=True) == "cublas"
-    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 49.0}, one_launch_preferred=True) == "simt2.w4.s2"  # fastest
+    assert gemm.pick(split, epilogue="silu") == "tc2.w8.s1"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.2}, epilogue="silu") == "cublas"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 49.0}, epilogue="silu") == "simt2.w4.s2"  # fastest
+    # a K split is two launches (the product, then its split sum with silu_mul): a one-launch form within 1% is kept
+    near = {"cublas": 52.0, "simt2.w4.s2": 50.0, "simt2.w4.s1": 50.4}
+    assert gemm.pick(near, epilogue="silu") == "simt2.w4.s1"
+    assert gemm.pick({**near, "simt2.w4.s1": 50.6}, epilogue="silu") == "simt2.w4.s2"
+
+
+def test_the_pick_keeps_the_one_launch_norm_form_whatever_its_k_splits():
+    """A projection + residual add + norm: every gemv variant's fused form is one launch (its split sum inside it),
+    so a variant that splits K is kept too unless cuBLAS + add_rmsnorm is more than 1% faster."""
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.2, "tc2.w8.s1": 51.0}, "norm") == "simt2.w4.s2"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.2}, "silu") == "cublas"  # the same times, split K
+    assert gemm.pick({"cublas": 50.0, "tc1.w4.s4": 50.7}, "norm") == "cublas"  # clearly slower: two launches
+    assert gemm.pick({"cublas": 50.0, "tc1.w4.s4": 50.2}, None) == "cublas"  # a plain product: the fastest
+
+
+def test_the_projections_that_join_the_residual_are_measured_with_the_add_and_norm(fake, tmp_path):
+    """A shape named as a norm product (o_proj, out_proj, down_proj: add_rmsnorm follows) is timed with its
+    epilogue and cached under its own key; an activation shape stays an activation shape."""
+    path = tmp_path / "c.json"
+    down, gate_up, head = torch.randn(64, 32), torch.randn(128, 32), torch.randn(96, 32)
+    p = products("auto", path)
+    p.tune({(64, 32): [down], (128, 32): [gate_up], (96, 32): [head]}, activation={(128, 32)}, norm={(64, 32)})
+    assert sorted(set(fake["measure"])) == sorted(
+        [(hi, 64, 32, 1, "norm") for hi in (1, 4, 8, 17)]
+        + [(hi, 128, 32, 1, "silu") for hi in (1, 4, 8, 17)]
+        + [(hi, 96, 32, 1) for hi in (1, 4, 8, 17)]
+    )
+    keys = json.loads(path.read_text())["entries"]
+    assert sum(key.endswith(" norm") for key in keys) == 4 and sum(key.endswith(" silu") for key in keys) == 4
+    assert len(keys) == 12
+    again = products("auto", path)  # the same epilogues: all from the cache
+    again.tune({(64, 32): [down], (128, 32): [gate_up], (96, 32): [head]}, activation={(128, 32)}, norm={(64, 32)})
+    assert again.measured == 0 and len(fake["measure"]) == 12
 
 
 def test_the_pick_rule_is_part_of_the_cache_key(fake, tmp_path):

@@ -249,3 +249,40 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
                 assert eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens == want, (name, settings)
     finally:
         eng.overlap_rounds = was
+
+
+def test_a_target_only_token_spends_no_launch_on_bookkeeping(cuda_engines):
+    """Outside the layers and the LM head, a target-only token is four launches: the embedding gather with the
+    first norm, the argmax (its parts merged by the last part), the hidden row saved at the device-side start,
+    and the acceptance (which sets the cache length from start itself). No index kernels, no argmax_combine,
+    no copy of start, no add for the row's place (issue 20: launches per token)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = cuda_engines["tiny"]
+    settings = EngineSettings(speculative=False, plan_pool=8)
+    sess = eng.new_session()
+    prompt = load_workloads()["prose"].prompt
+    eng.generate(prompt, 12, settings, sess)  # every plan captured
+
+    def kernels(n: int) -> Counter:
+        sess.reset()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(prompt, n, settings, sess)
+            torch.cuda.synchronize()
+        return Counter(
+            e.name for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy")
+        )
+
+    few, many = kernels(1), kernels(11)
+    per_token = {name: (many[name] - few[name]) / 10 for name in many}
+
+    def count(prefix: str) -> float:
+        return sum(v for name, v in per_token.items() if name.startswith(prefix))
+
+    assert count("embed_rmsnorm") == 1 and count("argmax_partial") == 1
+    assert count("store_rows") == 1 and count("greedy_accept") == 1
+    assert count("argmax_combine") == 0 and count("rmsnorm_w") == 0  # the first norm is in embed_rmsnorm
+    assert not [name for name in per_token if "index" in name.lower() and per_token[name]]
+    assert not [name for name in per_token if "memcpy" in name.lower() and per_token[name]]
