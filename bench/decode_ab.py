@@ -3,11 +3,13 @@ two trees in one device call, interleaved): the 9B-like model target-only (bf16,
 scratch, PDL as the engine defaults), the bundled model target-only and speculative (depth 5, chain), and the
 kernels a 9B-like token launches (torch.profiler over captured rounds).
 
-    python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab]
+    python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
-same process and with the same gemm choices, interleaved (one, two, one, two).
+same process and with the same gemm choices, interleaved (one, two, one, two). --spec: the 9B-like model
+speculative too (depth 3, chain, synthetic acceptance at Qwen3-Next's MTP rates: its random MTP head accepts
+nothing on its own; the seeded draws accept the same in both trees), where the verify's 4-row products run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import random_9b_engine  # noqa: E402
+from gpu_bench import QWEN3_NEXT_RATES, random_9b_engine  # noqa: E402
 
 from engine import Engine, EngineSettings  # noqa: E402
 
@@ -66,26 +68,113 @@ def main() -> int:
     ap.add_argument("--model", default="assets/models/specdeck-tiny")
     ap.add_argument("--att-combine", default=None, help="kernels.cuda _ATT_COMBINE for this run (fold, par)")
     ap.add_argument("--rule-ab", action="store_true", help="A/B the in_proj product + delta step fusion")
+    ap.add_argument("--spec", action="store_true", help="the 9B-like model speculative too (synthetic acceptance)")
+    ap.add_argument("--only", choices=("9b", "bundled"), default=None, help="one model's figures only")
+    ap.add_argument(
+        "--one-launch-ab",
+        action="store_true",
+        help="9B-like target-only with auto's one-row choices against each epilogue shape's fastest one-launch form",
+    )
+    ap.add_argument(
+        "--norm-ab",
+        action="store_true",
+        help="9B-like speculative with auto's choices timed with the add + norm epilogue and without, interleaved",
+    )
     a = ap.parse_args()
     if a.att_combine is not None:
         from kernels import cuda as kc
 
         kc._ATT_COMBINE = a.att_combine
         print(f"attention combine: {a.att_combine}")
+    if a.only != "bundled":
+        nine_b(a)
+    if a.only != "9b":
+        bundled(a)
+    return 0
+
+
+def nine_b(a: argparse.Namespace) -> None:
     target = EngineSettings(speculative=False, plan_pool=8)
     eng = random_9b_engine()
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
+    if a.norm_ab:
+        norm_ab(eng, a)
+    if a.one_launch_ab:
+        one_launch_ab(eng, a)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
         tps, _ = median_tps(eng, target, a.n, a.reps)
         print(f"9B-like target-only, gemm auto{tag}: {tps:.1f} t/s")
         print(f"9B-like launches per token, gemm auto{tag}: {launches_per_token(eng, target):.1f}")
+    if a.spec:
+        syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
+        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        print(f"9B-like spec depth 3 chain (synthetic rates), gemm auto: {tps:.1f} t/s")
     print("9B-like auto's choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
     eng.close()
     del eng
     torch.cuda.empty_cache()
+
+
+def norm_ab(eng: Engine, a: argparse.Namespace) -> None:
+    """Speculative 9B-like decode (4-row verifies) with the choices of auto as the model makes them (the
+    projections before add_rmsnorm timed with it) against choices timed on the product alone, one process,
+    interleaved; each run a new session (its plans captured with the products then in use)."""
+    from engine import gemm as gm
+
+    m = eng.model
+    with_norm = m._gemv
+    with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+        plain = gm.gemv_products("auto", m.device, m.dtype, cache)
+        gate_up = {tuple(t.shape) for name, t in m.w.items() if name.endswith("gate_up_packed")}
+        plain.tune(m.product_weights(), activation=gate_up)
+        plain.prepare_rule([t for name, t in m.w.items() if name.endswith("in_proj_packed")], m.cfg.linear_key_head_dim)
+    syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
+    for products, tag in ((with_norm, "timed with add+norm"), (plain, "timed alone")) * 2:
+        m._gemv = products
+        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        print(f"9B-like spec depth 3 chain (synthetic rates), gemm auto [{tag}]: {tps:.1f} t/s")
+    for products, tag in ((with_norm, "timed with add+norm"), (plain, "timed alone")):
+        shown = {k: v for k, v in products.labels.items() if k.startswith(("4096x4096", "4096x12288"))}
+        print(f"9B-like choices [{tag}]: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+    m._gemv = with_norm
+
+
+def one_launch_ab(eng: Engine, a: argparse.Namespace) -> None:
+    """Target-only 9B-like decode with auto's one-row choices against the same choices where each shape with an
+    epilogue (gate|up + silu_mul, the projections + add_rmsnorm) whose choice is more than one launch takes its
+    fastest one-launch variant instead (from auto's own timings, printed): t/s and launches, interleaved."""
+    from kernels import ops
+
+    g = eng.model._gemv
+    auto = dict(g.choices)
+    forced = dict(auto)
+    for (n, k, b), choice in auto.items():
+        epilogue, times = g.epilogues.get((n, k)), g.timings.get((n, k, b), {})
+        if b != 0 or epilogue is None or not times:
+            continue
+        one = [
+            c for c in times if ops.parse_gemv_variant(c) and (epilogue == "norm" or ops.parse_gemv_variant(c)[2] == 1)
+        ]
+        print(
+            f"{n}x{k} m1 + {epilogue}: auto {choice}; us " + ", ".join(f"{c} {t:.2f}" for c, t in sorted(times.items()))
+        )
+        if one and choice not in one:
+            forced[(n, k, b)] = min(one, key=times.get)
+            print(f"{n}x{k} m1 + {epilogue}: one launch {forced[(n, k, b)]}")
+    target = EngineSettings(speculative=False, plan_pool=8)
+    for choices, tag in ((auto, "auto's choices"), (forced, "one-launch forms")) * 2:
+        g.choices = dict(choices)
+        tps, _ = median_tps(eng, target, a.n, a.reps)
+        print(f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s")
+        print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
+    g.choices = auto
+
+
+def bundled(a: argparse.Namespace) -> None:
+    target = EngineSettings(speculative=False, plan_pool=8)
     tiny = Engine.load(Path(a.model), device="cuda", dtype="bfloat16")
     spec = EngineSettings(draft_depth=5, chain=True, plan_pool=8)
     for gemm in ("cublas", "auto") if a.rule_ab else ("cublas",):
@@ -103,7 +192,6 @@ def main() -> int:
     if a.rule_ab:
         print("bundled auto's choices: " + ", ".join(f"{k} {v}" for k, v in tiny.model.gemm_choices.items()))
     tiny.close()
-    return 0
 
 
 if __name__ == "__main__":
