@@ -4,12 +4,16 @@ scratch, PDL as the engine defaults), the bundled model target-only and speculat
 kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
+                              [--only 9b|bundled] [--norm-ab] [--one-launch-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
 same process and with the same gemm choices, interleaved (one, two, one, two). --spec: the 9B-like model
 speculative too (depth 3, chain, synthetic acceptance at Qwen3-Next's MTP rates: its random MTP head accepts
 nothing on its own; the seeded draws accept the same in both trees), where the verify's 4-row products run.
+--norm-ab: that speculative decode with auto's choices timed with the add + norm epilogue against choices timed on
+the product alone, in one process. --one-launch-ab: target-only with auto's one-row choices against each epilogue
+shape's fastest one-launch form (auto's own timings printed), in one process.
 """
 
 from __future__ import annotations
