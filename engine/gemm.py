@@ -326,7 +326,7 @@ class GemvProducts:
         expect = (ops.silu_mul(F.linear(x, ws[0])) if silu else F.linear(x, ws[0])).float()
         scale = float(expect.abs().max()) or 1.0
         tol = 1e-3 if self.dtype == torch.float32 else 3e-2
-        timed = _timed_forms(x, epilogue, g)
+        timed = _timed_forms(x, n, epilogue, g)
         times: dict[str, float] = {}
         for candidate in ["cublas", *ops.gemv_variants(m, n, k, self.dtype, self.device)]:
             product = functools.partial(timed, candidate)
@@ -344,21 +344,14 @@ class GemvProducts:
         return pick(times, epilogue), {c: round(t, 3) for c, t in times.items()}
 
 
-def _timed_forms(x: torch.Tensor, epilogue: str | None, g: torch.Generator):
-    """form(candidate, w): what a decode step runs for x @ w^T with `epilogue` after it, by candidate ("cublas" or
-    a gemv variant), for the timing."""
-    n_rows = x.shape[0]
-    if epilogue == "norm":
-        norm_w: dict[int, torch.Tensor] = {}
-
-        def operands(w):
-            if w.shape[0] not in norm_w:  # a residual and norm weight of the output's width (made once)
-                r = torch.randn((n_rows, w.shape[0]), device=x.device, generator=g).to(x.dtype)
-                norm_w[w.shape[0]] = (r, torch.randn(w.shape[0], device=x.device, generator=g) * 0.1)
-            return norm_w[w.shape[0]]
+def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generator):
+    """form(candidate, w): what a decode step runs for x @ w^T (w [n, K]) with `epilogue` after it, by candidate
+    ("cublas" or a gemv variant), for the timing."""
+    if epilogue == "norm":  # a residual and a norm weight of the output's width
+        r = torch.randn((x.shape[0], n), device=x.device, generator=g).to(x.dtype)
+        nw = torch.randn(n, device=x.device, generator=g) * 0.1
 
         def form(candidate, w):
-            r, nw = operands(w)
             if candidate == "cublas":
                 return ops.add_rmsnorm(F.linear(x, w), r, nw, 1e-6)
             return ops.gemv_add_rmsnorm(x, w, r, nw, 1e-6, candidate)
