@@ -4,7 +4,7 @@ scratch, PDL as the engine defaults), the bundled model target-only and speculat
 kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
-                              [--only 9b|bundled] [--norm-ab] [--one-launch-ab]
+                              [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -13,7 +13,9 @@ speculative too (depth 3, chain, synthetic acceptance at Qwen3-Next's MTP rates:
 nothing on its own; the seeded draws accept the same in both trees), where the verify's 4-row products run.
 --norm-ab: that speculative decode with auto's choices timed with the add + norm epilogue against choices timed on
 the product alone, in one process. --one-launch-ab: target-only with auto's one-row choices against each epilogue
-shape's fastest one-launch form (auto's own timings printed), in one process.
+shape's fastest one-launch form (auto's own timings printed), in one process. --exact: only the 9B-like model
+speculative (depth 3, chain, synthetic acceptance) in gemm mode "exact", whose verify runs the row-invariant
+variant's fused add + norm form at 4 rows.
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def main() -> int:
         action="store_true",
         help="9B-like speculative with auto's choices timed with the add + norm epilogue and without, interleaved",
     )
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="only the 9B-like model speculative in gemm mode exact (its fused add + norm form at every row count)",
+    )
     a = ap.parse_args()
     if a.att_combine is not None:
         from kernels import cuda as kc
@@ -100,6 +107,15 @@ def main() -> int:
 def nine_b(a: argparse.Namespace) -> None:
     target = EngineSettings(speculative=False, plan_pool=8)
     eng = random_9b_engine()
+    if a.exact:
+        eng.model.set_gemm("exact")
+        syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
+        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        print(f"9B-like spec depth 3 chain (synthetic rates), gemm exact: {tps:.1f} t/s")
+        eng.close()
+        del eng
+        torch.cuda.empty_cache()
+        return
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
     if a.norm_ab:

@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 10, every figure a ratio measured side by side in this one run.
 
-  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv,pdl,overlap] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
+  python bench/gpu_bench.py [--model DIR] [--sections copy,a,b,c,d,bf16,s,auto,ctx,real,gemv,gemv-table,pdl,overlap] [--ctx 1024,8192,32768,131072] [--n 128] [--out FILE]
 
 copy  device-to-device copy bandwidth (2 x bytes / time: read + write), the yardstick for (d)
 a     bundled model, target-only: SpecDeck vs transformers `generate` (same weights, dtype, greedy)
@@ -11,7 +11,8 @@ d     a random model of Qwen3.5-9B-like shapes built in memory (bf16), target-on
       token / time per token, against the copy bandwidth
 bf16  speculative vs target-only in bf16: first divergence per workload and the top-2 logit gap there
 gemv  issue 20: the gemv kernels vs cuBLAS per 9B-like product at 1 and 6 rows (us and % of copy bandwidth),
-      then (d) with --gemm cublas, cupy and auto side by side
+      each product with its epilogue (gate|up + silu_mul, o_proj/down + add_rmsnorm) fused vs cuBLAS + the
+      epilogue's kernel, then (d) with --gemm cublas, cupy and auto side by side (gemv-table: without (d))
 pdl   issue 20: programmatic dependent launch off vs on, plans captured each way, 9B-like (cublas, auto) and
       the bundled model (target-only, speculative), with whether the tokens are the same
 s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
@@ -327,13 +328,13 @@ def pdl_captures(on: bool):
         C.set_pdl(before)
 
 
-def section_gemv(bandwidth: float) -> None:
+def section_gemv(bandwidth: float, decode: bool = True) -> None:
     """The gemv kernels against cuBLAS per 9B-like product, 1 and 6 rows, bf16: each timed as gemm "auto" times
     it (graph replays over distinct weights past L2; engine/gemm.py), with the graph captured without and with
     programmatic dependent launch (with it, each product's first W loads are in flight while the product before
     it drains); % of copy bandwidth = (bytes of W + x + out) / time / copy bandwidth. The MLP's gate|up product
     with its activation in one launch against the two launches. Then the 9B-like target-only decode with --gemm
-    cublas, cupy and auto."""
+    cublas, cupy and auto (not with section "gemv-table")."""
     from engine.gemm import GemvProducts
     from kernels import cuda as C
     from kernels import ops
@@ -385,21 +386,25 @@ def section_gemv(bandwidth: float) -> None:
             say(
                 f"{name:<16} {f'{n}x{k}':>12} {m:>2} {cols[0]} {cols[1]} {cell(found[False][1]['cublas'], width=9)} {best:>12}"
             )
-            if name == "mlp gate|up" and pdl_ok:  # with the activation: cuBLAS + silu_mul vs the one-launch form
+            # with the epilogue the engine runs after it: cuBLAS + that kernel vs the gemv variants' fused forms
+            epilogue = {"mlp gate|up": "silu", "o_proj/out_proj": "norm", "mlp down": "norm"}.get(name)
+            if epilogue and pdl_ok:
                 with pdl_captures(True):
-                    best_act, times = tuner._measure(m, n, k, ws, silu=True)
+                    best_epi, times = tuner._measure(m, n, k, ws, epilogue=epilogue)
                 kernels = {c: t for c, t in times.items() if c != "cublas"}
                 top = min(kernels, key=kernels.get)
-                fused_rows.append((m, top, times["cublas"], kernels[top], best_act))
+                fused_rows.append((name, epilogue, m, top, times["cublas"], kernels[top], best_epi))
         del ws
         torch.cuda.empty_cache()
-    for m, variant, two, one, best_act in fused_rows:
+    for name, epilogue, m, variant, two, one, best_epi in fused_rows:
+        kernel = {"silu": "silu_mul", "norm": "add_rmsnorm"}[epilogue]
         say(
-            f"mlp gate|up + silu_mul, {m} row(s), PDL: cuBLAS + silu_mul {two:.1f} us, one launch ({variant}) "
-            f"{one:.1f} us ({two / one:.3f}x); auto picks {best_act}"
+            f"{name} + {kernel}, {m} row(s), PDL: cuBLAS + {kernel} {two:.1f} us, fastest fused form ({variant}) "
+            f"{one:.1f} us ({two / one:.3f}x); auto picks {best_epi}"
         )
     say()
-    section_d(bandwidth, ("cublas", "cupy", "auto"))
+    if decode:
+        section_d(bandwidth, ("cublas", "cupy", "auto"))
 
 
 def section_pdl(model_dir: Path, n: int) -> None:
@@ -916,7 +921,7 @@ def main() -> int:
     sections = a.sections.split(",")
     say(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  model: {model_dir.name}")
     bw = 0.0
-    if "copy" in sections or "d" in sections or "gemv" in sections:
+    if "copy" in sections or "d" in sections or "gemv" in sections or "gemv-table" in sections:
         bw = copy_bandwidth()
         say(f"device copy bandwidth (2 x bytes / time): {bw / 1e12:.2f} TB/s")
         say()
@@ -931,8 +936,8 @@ def main() -> int:
             del eng
         if "d" in sections:
             section_d(bw)
-        if "gemv" in sections:
-            section_gemv(bw)
+        if "gemv" in sections or "gemv-table" in sections:
+            section_gemv(bw, decode="gemv" in sections)
         if "bf16" in sections:
             section_bf16(model_dir, a.n)
         if "pdl" in sections:
