@@ -1841,10 +1841,10 @@ def gemv_add_rmsnorm(
     variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: the gemv kernel's "_an" form, whose last split of each column tile adds the K splits and the
-    residual (s, bit for bit gemv -> add_rmsnorm) and whose last tile norms each row (y; its sum of squares in a
-    fixed order of its own, so a row's y never depends on the rows beside it; within a rounding of
-    add_rmsnorm's). Needs N a whole number of 16-byte vectors, and one eager call before a capture (the
-    counters are made then); otherwise the reference."""
+    residual (s, bit for bit gemv -> add_rmsnorm) and whose last tile, or for M rows the last M tiles a row each,
+    norm the rows (y; a row's sum of squares in a fixed order of its own, so a row's y never depends on the rows
+    beside it; within a rounding of add_rmsnorm's). Needs N a whole number of 16-byte vectors, and one eager call
+    before a capture (the counters are made then); otherwise the reference."""
     m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
     if (
         not gemv_takes(x, w)
@@ -1858,7 +1858,7 @@ def gemv_add_rmsnorm(
     ):
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
     name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
-    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 1)
+    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 2)  # the launch's, a tile's each, the rows' norms
     if cnt is None:
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)

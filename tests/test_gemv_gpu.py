@@ -243,6 +243,28 @@ def test_gemv_add_rmsnorm_replays_and_repeats(kc):
             assert torch.equal(y_out, want_y) and torch.equal(s_out, want_s), (variant, seed)
 
 
+def test_gemv_add_rmsnorm_row_counts_in_turn(kc):
+    """Several rows are normed by the launch's last tiles, a row each, one row by its last tile: calls of 6, 1, 17,
+    2, 6 and 1 rows in turn on one weight share its counters, so each launch must leave them at zero; every call
+    gives gemv -> add_rmsnorm's s bit for bit and its y within a few ulps, and with the row-invariant variant each
+    row of a call is the row called alone."""
+    n, k, dtype = 4096, 4096, torch.bfloat16
+    w = weight(n, k, dtype)
+    nw = torch.randn(n, device=CUDA) * 0.1
+    invariant = kc.gemv_row_invariant(n, k, dtype, CUDA)
+    for variant in (invariant, "tc1.w8.s2", "tc2.w4.s1"):
+        for m in (6, 1, 17, 2, 6, 1):
+            x, r = rows(m, k, dtype, seed=40 + m), rows(m, n, dtype, seed=80 + m)
+            y, s = kc.gemv_add_rmsnorm(x, w, r, nw, 1e-6, variant)
+            y2, s2 = kc.add_rmsnorm(kc.gemv(x, w, variant), r, nw, 1e-6)
+            assert torch.equal(s, s2), (variant, m)
+            few_ulps(y, y2, f"{variant} {m} rows y")
+            if variant == invariant:
+                for i in range(m):
+                    yi, si = kc.gemv_add_rmsnorm(x[i : i + 1], w, r[i : i + 1], nw, 1e-6, variant)
+                    assert torch.equal(yi[0], y[i]) and torch.equal(si[0], s[i]), (m, i)
+
+
 def test_gemv_add_rmsnorm_takes_the_reference_where_rows_are_not_whole_vectors(kc):
     """N = 250 bf16 is not a whole number of 16-byte vectors: the op still answers, from its reference, and
     says so (a counted fallback)."""

@@ -18,9 +18,9 @@
 //           launch (op gemv_add_rmsnorm): every block stores its fp32 partials; the last split of a column tile
 //           to finish (a per-tile counter; no split: the block itself) adds the splits in split order, rounds
 //           the product once, adds the residual and rounds again (s, the new residual stream: bit for bit
-//           gemv -> add_rmsnorm); the last tile to finish (a counter for the launch) norms every row, the
-//           whole block a row: its sum of squares in a fixed order whatever M is (so a row's bits never depend
-//           on the rows beside it), then y. The counters are left at zero by the block that last counts in.
+//           gemv -> add_rmsnorm); the last tile to finish (a counter for the launch) norms the row, or with M
+//           rows the last M tiles a row each, the whole block a row: its sum of squares in a fixed order whatever
+//           M is (so a row's bits never depend on the rows beside it), then y. The counters are left at zero.
 //           (The MLP's silu_mul is not folded into the down projection's loads: every warp would work out the
 //           activation of the same x elements again, which makes the product ALU-bound past one row.)
 //  ..._sm   (GemvSiluArgs) the MLP's packed gate|up product [2 I, K] and silu_mul in one launch (op gemv_silu_mul):
@@ -193,7 +193,7 @@ __device__ __forceinline__ uint4 gv_pack(const float* f) {
 
 // The fused epilogue's operands (the _an kernels): residual r [M, N] at row stride rs, the norm's fp32
 // weight nw [N], outputs y = rmsnorm(s) and s = product + r ([M, N] contiguous), the launch's counters cnt
-// (one for the launch, then one per column tile; zero between launches), eps.
+// (one for the launch, one per column tile, then one for the rows' norms; zero between launches), eps.
 struct GvEpi {
     const scalar_t* r;
     long long rs;
@@ -255,6 +255,16 @@ __device__ __forceinline__ bool gv_last_in(int* cnt, int of, int* flag) {
     return *flag;
 }
 
+// Thread 0 waits until *c >= target (acquire: what the blocks counted in there stored is visible after).
+__device__ __forceinline__ void gv_wait_count(const int* c, int target) {
+    for (;;) {
+        int v;
+        asm volatile("ld.acquire.gpu.s32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) return;
+        __nanosleep(100);
+    }
+}
+
 // Called by every thread of every block once its split's partials of columns [nb, nb + cols) are stored.
 // Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks).
 #define GV_NORM_KEEP 4  // 16-byte vectors of a row a thread keeps in registers between the norm's two passes
@@ -274,12 +284,38 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         for (int j = 0; j < S; ++j) sum += __ldcg(part + ((long long)j * M + m) * N + n);
         e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + gv_f(e.r[m * e.rs + n])));
     }
-    if (!gv_last_in(e.cnt, ntiles, &gv_flag)) return;
-    // The last tile: every row of s is complete. The whole block a row: its sum of squares (each thread's
-    // vectors in order, then gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w),
-    // add_rmsnorm's arithmetic.
+    // The rows' norms. One row: by the last tile to count in at the launch's counter (cnt[0]). Several rows (M
+    // no more than the tiles): by the last M tiles to count in, a row each (the (ntiles - M + r)-th to arrive
+    // norms row r), each waiting until every tile has counted in; before, one block normed every row in turn, M
+    // serial passes over s. Each of them counts in at cnt[1 + ntiles] when its row is done; the last leaves both
+    // counters at zero (every one of them has seen cnt[0] complete by then). No deadlock: at most M - 1 blocks
+    // wait at once, and the tiles still to come need only a free block slot. A row is normed by the same code
+    // either way, so its bits do not depend on M.
+    __syncthreads();  // the block's stores are done
+    if (threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(e.cnt) : "memory");
+        gv_flag = old;
+    }
+    __syncthreads();
+    const int arrived = gv_flag;
+    const bool spread = M > 1 && M <= ntiles;
+    int m_lo = 0, m_hi = M;
+    if (spread) {
+        if (arrived < ntiles - M) return;
+        m_lo = arrived - (ntiles - M);
+        m_hi = m_lo + 1;
+        if (threadIdx.x == 0) gv_wait_count(e.cnt, ntiles);
+        __syncthreads();
+    } else {
+        if (arrived != ntiles - 1) return;
+        if (threadIdx.x == 0) *e.cnt = 0;
+    }
+    // Every row of s is complete. The whole block a row: its sum of squares (each thread's vectors in order, then
+    // gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w), add_rmsnorm's
+    // arithmetic.
     const int nt = blockDim.x, nv = N / GV_VEC;
-    for (int m = 0; m < M; ++m) {
+    for (int m = m_lo; m < m_hi; ++m) {
         const scalar_t* sr = e.s + (long long)m * N;
         scalar_t* yr = e.y + (long long)m * N;
         uint4 keep[GV_NORM_KEEP];
@@ -302,6 +338,14 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         }
         for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
             gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, e.nw, yr, v);
+    }
+    if (spread && threadIdx.x == 0) {
+        int old;
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(e.cnt + 1 + ntiles) : "memory");
+        if (old == M - 1) {
+            e.cnt[1 + ntiles] = 0;
+            *e.cnt = 0;
+        }
     }
 }
 
@@ -546,7 +590,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                       int N, int K, int kchunk, const GvEpi& epi, int bx) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int U = CT == 1 ? 2 : 1;  // K steps in flight per warp: U * CT * 2 KB of W
+    constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
     extern __shared__ float gv_red[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -591,54 +635,64 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
 
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
+    // One tile column (CT = 1): two buffers of W steps, wa and wb, the next step's loads issued before the current
+    // one is multiplied, so the warp's loads stay in flight while it computes; two (CT = 2): one buffer of a step
+    // (the registers of a second would cost occupancy). Either way the steps are multiplied in the order of one
+    // buffer, so the same bits.
     uint4 wa[U][CT][2][2];
     // kk from the pointers (k0 + 8 t); (k1 - k0) % 8 == 0: a vector is wholly in or out
 #define GV_TC_IN(stp, off) ((stp) < nsteps && k0 + (stp) * 64 + 8 * t + (off) < k1)
-#define GV_TC_LOAD_W(st0)                                                                                         \
+#define GV_TC_LOAD_W(buf, st0)                                                                                    \
     _Pragma("unroll") for (int u = 0; u < U; ++u) {                                                               \
         const int stp = (st0) + u * nw;                                                                           \
         const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);                                               \
         _Pragma("unroll") for (int ct = 0; ct < CT; ++ct) _Pragma("unroll") for (int h = 0; h < 2; ++h) {         \
-            wa[u][ct][h][0] = in0 ? gv_ld_w(wp[ct][h] + stp * 64) : zero;                                          \
-            wa[u][ct][h][1] = in1 ? gv_ld_w(wp[ct][h] + stp * 64 + 32) : zero;                                     \
+            buf[u][ct][h][0] = in0 ? gv_ld_w(wp[ct][h] + stp * 64) : zero;                                         \
+            buf[u][ct][h][1] = in1 ? gv_ld_w(wp[ct][h] + stp * 64 + 32) : zero;                                    \
         }                                                                                                         \
     }
     // The warp's first steps of W are loaded before the wait (see PDL_TRIGGER above).
-    GV_TC_LOAD_W(warp)
+    GV_TC_LOAD_W(wa, warp)
     PDL_WAIT();
-    for (int st = warp; st < nsteps; st += nw * U) {
-        if (st != warp) {
-            GV_TC_LOAD_W(st)
-        }
-        uint4 xb[U][MT][2];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int stp = st + u * nw;
-            const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);
-#pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;
-                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int v = 0; v < 2; ++v)
-#pragma unroll
-                for (int p = 0; p < 2; ++p)
-#pragma unroll
-                    for (int ct = 0; ct < CT; ++ct) {
-                        const unsigned int a0 = gv_word(wa[u][ct][0][v], 2 * p);
-                        const unsigned int a1 = gv_word(wa[u][ct][1][v], 2 * p);
-                        const unsigned int a2 = gv_word(wa[u][ct][0][v], 2 * p + 1);
-                        const unsigned int a3 = gv_word(wa[u][ct][1][v], 2 * p + 1);
-#pragma unroll
-                        for (int j = 0; j < MT; ++j)
-                            gv_mma(acc[ct][j], a0, a1, a2, a3, gv_word(xb[u][j][v], 2 * p),
-                                   gv_word(xb[u][j][v], 2 * p + 1));
-                    }
+    // x of the U steps from st, then their mmas with the W steps in buf
+#define GV_TC_STEPS(buf, st)                                                                                      \
+    {                                                                                                             \
+        uint4 xb[U][MT][2];                                                                                       \
+        _Pragma("unroll") for (int u = 0; u < U; ++u) {                                                           \
+            const int stp = (st) + u * nw;                                                                        \
+            const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);                                           \
+            _Pragma("unroll") for (int j = 0; j < MT; ++j) {                                                      \
+                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;                                   \
+                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;                              \
+            }                                                                                                     \
+        }                                                                                                         \
+        _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int v = 0; v < 2; ++v)               \
+            _Pragma("unroll") for (int p = 0; p < 2; ++p) _Pragma("unroll") for (int ct = 0; ct < CT; ++ct) {     \
+            const unsigned int a0 = gv_word(buf[u][ct][0][v], 2 * p);                                             \
+            const unsigned int a1 = gv_word(buf[u][ct][1][v], 2 * p);                                             \
+            const unsigned int a2 = gv_word(buf[u][ct][0][v], 2 * p + 1);                                         \
+            const unsigned int a3 = gv_word(buf[u][ct][1][v], 2 * p + 1);                                         \
+            _Pragma("unroll") for (int j = 0; j < MT; ++j)                                                        \
+                gv_mma(acc[ct][j], a0, a1, a2, a3, gv_word(xb[u][j][v], 2 * p), gv_word(xb[u][j][v], 2 * p + 1)); \
+        }                                                                                                         \
     }
+    const int span = nw * U;  // steps one buffer holds, over the block's warps
+    if constexpr (CT == 1) {
+        uint4 wb[U][CT][2][2];
+        for (int st = warp; st < nsteps; st += 2 * span) {
+            if (st + span < nsteps) GV_TC_LOAD_W(wb, st + span)
+            GV_TC_STEPS(wa, st)
+            if (st + span >= nsteps) break;
+            if (st + 2 * span < nsteps) GV_TC_LOAD_W(wa, st + 2 * span)
+            GV_TC_STEPS(wb, st + span)
+        }
+    } else {
+        for (int st = warp; st < nsteps; st += span) {
+            if (st != warp) GV_TC_LOAD_W(wa, st)
+            GV_TC_STEPS(wa, st)
+        }
+    }
+#undef GV_TC_STEPS
 #undef GV_TC_LOAD_W
 #undef GV_TC_IN
 
@@ -807,16 +861,6 @@ __device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk
     if (j < dk) return (long long)g * dk + j;                              // q of key head g
     if (j < 2 * dk) return (long long)Hk * dk + (long long)g * dk + (j - dk);  // k
     return 2LL * Hk * dk + (long long)g * r * dv + (j - 2 * dk);              // v of its value heads
-}
-
-// Thread 0 waits until *c >= target (acquire: what the blocks counted in there stored is visible after).
-__device__ __forceinline__ void gv_wait_count(const int* c, int target) {
-    for (;;) {
-        int v;
-        asm volatile("ld.acquire.gpu.s32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-        if (v >= target) return;
-        __nanosleep(100);
-    }
 }
 
 // The rule's operands (the kernel's parameters after the product's).
