@@ -65,7 +65,13 @@ _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at 
 # while a decode step's graph pays for every launch (issue 20: launches per token). The rule is part of the cache
 # key.
 _ONE_LAUNCH_MARGIN = 0.01
-_PICK_RULE = "one-launch 1% over any (silu s1, norm)"
+# A projection + add_rmsnorm of several rows: the fused form's last blocks norm the rows once the product is done, a
+# tail (3-4 us on the H200) that the back-to-back timing hides behind the next launch's weight loads (PDL), while in a
+# decode step the kernel after it is often cuBLAS, which loads nothing early. On the H200 (bench/results/
+# h200-gemv-tails-2026-12-02.txt) fused forms picked at 2-4 rows within a few percent of cuBLAS + add_rmsnorm made a
+# speculative round 1.8-5.4% slower; so with more than one row the fused form must be faster by this fraction.
+_NORM_ROWS_MARGIN = 0.15
+_PICK_RULE = "one-launch 1% over any (silu s1, norm); norm rows>1 fused 15% under cublas"
 # the epilogues a shape can be timed with: the MLP's activation, the residual add + the next norm
 EPILOGUES = ("silu", "norm")
 
@@ -341,7 +347,7 @@ class GemvProducts:
                     )
                     continue
             times[candidate] = _graph_seconds(lambda p=product: [p(w) for w in calls], self.device) / len(calls) * 1e6
-        return pick(times, epilogue), {c: round(t, 3) for c, t in times.items()}
+        return pick(times, epilogue, m), {c: round(t, 3) for c, t in times.items()}
 
 
 def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generator):
@@ -367,16 +373,20 @@ def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generat
     return form
 
 
-def pick(times: dict[str, float], epilogue: str | None = None) -> str:
-    """The candidate to use from measured us per call: the fastest; for a shape with an epilogue (EPILOGUES), the
-    fastest gemv variant whose fused form is one launch (for "silu" a variant without K splits: one that splits K is
-    its product, then its split sum with silu_mul; for "norm" any) unless the fastest candidate of more launches
-    (cuBLAS and the epilogue's kernel; for "silu" a variant that splits K) is faster by more than
-    _ONE_LAUNCH_MARGIN."""
+def pick(times: dict[str, float], epilogue: str | None = None, rows: int = 1) -> str:
+    """The candidate to use from measured us per call of `rows` rows: the fastest; for a shape with an epilogue
+    (EPILOGUES), the fastest gemv variant whose fused form is one launch (for "silu" a variant without K splits: one
+    that splits K is its product, then its split sum with silu_mul; for "norm" any) unless the fastest candidate of
+    more launches (cuBLAS and the epilogue's kernel; for "silu" a variant that splits K) is faster by more than
+    _ONE_LAUNCH_MARGIN. For "norm" with more than one row the fused form must instead be faster than cuBLAS +
+    add_rmsnorm by more than _NORM_ROWS_MARGIN (see there)."""
     best = min(times, key=times.get)
     fused = [c for c in times if c != "cublas" and ops.parse_gemv_variant(c) is not None]
     if epilogue == "silu":
         fused = [c for c in fused if ops.parse_gemv_variant(c)[2] == 1]  # no K split
+    if epilogue == "norm" and rows > 1 and fused and "cublas" in times:
+        one = min(fused, key=times.get)
+        return one if times[one] * (1.0 + _NORM_ROWS_MARGIN) < times["cublas"] else "cublas"
     if epilogue in EPILOGUES and fused:  # the fastest may be cuBLAS or (silu) a K split: two launches
         one = min(fused, key=times.get)
         if times[one] <= times[best] * (1.0 + _ONE_LAUNCH_MARGIN):

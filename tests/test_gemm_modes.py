@@ -238,6 +238,19 @@ def test_the_pick_keeps_the_one_launch_norm_form_whatever_its_k_splits():
     assert gemm.pick({"cublas": 50.0, "tc1.w4.s4": 50.2}, None) == "cublas"  # a plain product: the fastest
 
 
+def test_the_pick_of_a_norm_shape_with_several_rows_needs_a_clear_lead():
+    """With several rows the fused add + norm form ends in a tail (its last blocks norm the rows) that the
+    back-to-back timing hides, so it is kept only when clearly faster than cuBLAS + add_rmsnorm; one row keeps the
+    one-launch rule."""
+    near = {"cublas": 16.0, "tc1.w8.s2": 15.5, "simt2.w4.s2": 17.0}
+    assert gemm.pick(near, "norm", rows=1) == "tc1.w8.s2"
+    assert gemm.pick(near, "norm", rows=4) == "cublas"
+    assert gemm.pick({**near, "tc1.w8.s2": 16.1}, "norm", rows=1) == "tc1.w8.s2"  # within 1%: one launch
+    assert gemm.pick({"cublas": 20.0, "tc1.w8.s2": 15.0, "simt2.w4.s2": 16.0}, "norm", rows=6) == "tc1.w8.s2"
+    assert gemm.pick({"cublas": 16.0, "tc1.w8.s2": 14.0}, "norm", rows=17) == "cublas"  # 12.5% is not enough
+    assert gemm.pick({"cublas": 16.0, "tc1.w8.s2": 15.5}, None, rows=6) == "tc1.w8.s2"  # no epilogue: the fastest
+
+
 def test_the_projections_that_join_the_residual_are_measured_with_the_add_and_norm(fake, tmp_path):
     """A shape named as a norm product (o_proj, out_proj, down_proj: add_rmsnorm follows) is timed with its
     epilogue and cached under its own key; an activation shape stays an activation shape."""
