@@ -37,6 +37,8 @@ from gpu_bench import QWEN3_NEXT_RATES, random_9b_engine  # noqa: E402
 from engine import Engine, EngineSettings  # noqa: E402
 
 PROMPT = list(range(100, 164))
+# the 9B-like model speculative: depth 3, chain, synthetic acceptance at Qwen3-Next's MTP rates
+SYN = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
 
 
 def median_tps(eng: Engine, settings: EngineSettings, n: int, reps: int, prompt=PROMPT) -> tuple[float, list[int]]:
@@ -109,13 +111,16 @@ def nine_b(a: argparse.Namespace) -> None:
     eng = random_9b_engine()
     if a.exact:
         eng.model.set_gemm("exact")
-        syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
-        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        tps, _ = median_tps(eng, SYN, a.n, a.reps)
         print(f"9B-like spec depth 3 chain (synthetic rates), gemm exact: {tps:.1f} t/s")
-        eng.close()
-        del eng
-        torch.cuda.empty_cache()
-        return
+    else:
+        nine_b_auto(eng, a, target)
+    eng.close()
+    del eng
+    torch.cuda.empty_cache()
+
+
+def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
     if a.norm_ab:
@@ -129,13 +134,9 @@ def nine_b(a: argparse.Namespace) -> None:
         print(f"9B-like target-only, gemm auto{tag}: {tps:.1f} t/s")
         print(f"9B-like launches per token, gemm auto{tag}: {launches_per_token(eng, target):.1f}")
     if a.spec:
-        syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
-        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        tps, _ = median_tps(eng, SYN, a.n, a.reps)
         print(f"9B-like spec depth 3 chain (synthetic rates), gemm auto: {tps:.1f} t/s")
     print("9B-like auto's choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
-    eng.close()
-    del eng
-    torch.cuda.empty_cache()
 
 
 def norm_ab(eng: Engine, a: argparse.Namespace) -> None:
@@ -151,10 +152,9 @@ def norm_ab(eng: Engine, a: argparse.Namespace) -> None:
         gate_up = {tuple(t.shape) for name, t in m.w.items() if name.endswith("gate_up_packed")}
         plain.tune(m.product_weights(), activation=gate_up)
         plain.prepare_rule([t for name, t in m.w.items() if name.endswith("in_proj_packed")], m.cfg.linear_key_head_dim)
-    syn = EngineSettings(synthetic_rates=QWEN3_NEXT_RATES, draft_depth=3, chain=True, plan_pool=8)
     for products, tag in ((with_norm, "timed with add+norm"), (plain, "timed alone")) * 2:
         m._gemv = products
-        tps, _ = median_tps(eng, syn, a.n, a.reps)
+        tps, _ = median_tps(eng, SYN, a.n, a.reps)
         print(f"9B-like spec depth 3 chain (synthetic rates), gemm auto [{tag}]: {tps:.1f} t/s")
     for products, tag in ((with_norm, "timed with add+norm"), (plain, "timed alone")):
         shown = {k: v for k, v in products.labels.items() if k.startswith(("4096x4096", "4096x12288"))}

@@ -69,7 +69,7 @@ _ONE_LAUNCH_MARGIN = 0.01
 # tail (3-4 us on the H200) that the back-to-back timing hides behind the next launch's weight loads (PDL), while in a
 # decode step the kernel after it is often cuBLAS, which loads nothing early. On the H200 (bench/results/
 # h200-gemv-tails-2026-12-02.txt) fused forms picked at 2-4 rows within a few percent of cuBLAS + add_rmsnorm made a
-# speculative round 1.8-5.4% slower; so with more than one row the fused form must be faster by this fraction.
+# speculative round 1.8-5.4% slower; so with more than one row the fused form must take this fraction less time.
 _NORM_ROWS_MARGIN = 0.15
 _PICK_RULE = "one-launch 1% over any (silu s1, norm); norm rows>1 fused 15% under cublas"
 # the epilogues a shape can be timed with: the MLP's activation, the residual add + the next norm
@@ -376,22 +376,22 @@ def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generat
 def pick(times: dict[str, float], epilogue: str | None = None, rows: int = 1) -> str:
     """The candidate to use from measured us per call of `rows` rows: the fastest; for a shape with an epilogue
     (EPILOGUES), the fastest gemv variant whose fused form is one launch (for "silu" a variant without K splits: one
-    that splits K is its product, then its split sum with silu_mul; for "norm" any) unless the fastest candidate of
-    more launches (cuBLAS and the epilogue's kernel; for "silu" a variant that splits K) is faster by more than
-    _ONE_LAUNCH_MARGIN. For "norm" with more than one row the fused form must instead be faster than cuBLAS +
-    add_rmsnorm by more than _NORM_ROWS_MARGIN (see there)."""
+    that splits K is its product, then its split sum with silu_mul; for "norm" any) against the fastest candidate
+    of more launches (cuBLAS and the epilogue's kernel; for "silu" also a variant that splits K): the one-launch
+    form is kept unless that one is faster by more than _ONE_LAUNCH_MARGIN, and for "norm" with more than one row
+    only if it is itself faster by _NORM_ROWS_MARGIN (see there)."""
     best = min(times, key=times.get)
+    if epilogue not in EPILOGUES:
+        return best
     fused = [c for c in times if c != "cublas" and ops.parse_gemv_variant(c) is not None]
     if epilogue == "silu":
         fused = [c for c in fused if ops.parse_gemv_variant(c)[2] == 1]  # no K split
-    if epilogue == "norm" and rows > 1 and fused and "cublas" in times:
-        one = min(fused, key=times.get)
-        return one if times[one] * (1.0 + _NORM_ROWS_MARGIN) < times["cublas"] else "cublas"
-    if epilogue in EPILOGUES and fused:  # the fastest may be cuBLAS or (silu) a K split: two launches
-        one = min(fused, key=times.get)
-        if times[one] <= times[best] * (1.0 + _ONE_LAUNCH_MARGIN):
-            return one
-    return best
+    rivals = [c for c in times if c not in fused]
+    if not fused or not rivals:
+        return best
+    one, rival = min(fused, key=times.get), min(rivals, key=times.get)
+    margin = -_NORM_ROWS_MARGIN if epilogue == "norm" and rows > 1 else _ONE_LAUNCH_MARGIN
+    return one if times[one] <= times[rival] * (1.0 + margin) else rival
 
 
 def _graph_seconds(run, device: torch.device) -> float:
