@@ -6,6 +6,10 @@
    graph, its read bandwidth against the device copy bandwidth, for each BLAS backend torch offers.
 2. torch.profiler over `rounds` target-only decode rounds of the random 9B-shape engine: GPU time per token
    grouped by kernel, GEMM total vs the rest, and the kernel count per token.
+3. --timeline: the same rounds profiled with programmatic dependent launch and without, one engine and one set of
+   gemm choices: per kernel, its own duration (PDL off) and how much each of its launches moves the token's end
+   (the time from the previous kernel's end to its end), with PDL and without; the difference is the time at that
+   boundary in no kernel. Then the gaps (PDL off) by the pair of kernels around them.
 """
 
 from __future__ import annotations
@@ -175,6 +179,109 @@ def profile_rounds(rounds: int, gemm: str = "cublas", pdl: bool = True) -> None:
     print()
 
 
+def _kernel_rows(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel and copy of a finished profile, in start order (from its
+    Chrome trace, which carries each kernel's start and duration)."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    rows = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"])
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    return sorted(rows)
+
+
+def _short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:40]
+
+
+def _profiled_rows(eng, rounds: int) -> tuple[int, list[tuple[float, float, str]]]:
+    prompt = list(range(100, 164))
+    sess = eng.new_session()
+    s = EngineSettings(speculative=False, plan_pool=8)
+    eng.generate(prompt, rounds + 4, s, sess)
+    sess.reset()
+    stream = eng.stream(prompt, rounds + 1, s, sess)
+    next(stream)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        n = sum(1 for _ in stream)
+        torch.cuda.synchronize()
+    return n, _kernel_rows(prof)
+
+
+def timeline(rounds: int, gemm: str) -> None:
+    """Where the time between kernels goes: see the module's docstring, 3."""
+
+    eng = random_9b_engine()
+    eng.model.set_gemm(gemm)
+    runs = {}
+    for pdl in (True, False):
+        eng.set_model_option("pdl", pdl)
+        runs[pdl] = _profiled_rows(eng, rounds)
+    eng.close()
+    timeline_report(runs, gemm)
+
+
+def timeline_report(runs: dict[bool, tuple[int, list[tuple[float, float, str]]]], gemm: str) -> None:
+    """Print the timeline of `runs` (PDL on/off -> tokens, kernel rows)."""
+    from collections import defaultdict
+
+    own: dict[str, list[float]] = defaultdict(list)  # name -> durations, PDL off
+    moved: dict[bool, dict[str, list[float]]] = {True: defaultdict(list), False: defaultdict(list)}
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for pdl, (n, rows) in runs.items():
+        span = rows[-1][1] - rows[0][0]
+        busy = sum(e - s for s, e, _ in rows)
+        print(
+            f"== timeline, gemm {gemm}, PDL {'on' if pdl else 'off'}: {n} tokens, {len(rows) / n:.1f} kernels a token; "
+            f"first start to last end {span / n:.1f} us a token, kernels' spans summed {busy / n:.1f} us =="
+        )
+        last_end = rows[0][1]
+        for i, (start, end, name) in enumerate(rows):
+            k = _short(name)
+            if not pdl:
+                own[k].append(end - start)
+            if i:
+                moved[pdl][k].append(end - last_end)
+                if not pdl:
+                    pairs[(_short(rows[i - 1][2]), k)].append(start - rows[i - 1][1])
+            last_end = max(last_end, end)
+    n = runs[True][0]
+    print(
+        f"{'kernel':<40} {'calls/tok':>9} {'own us':>8} {'moves PDL':>10} {'moves off':>10} {'no-kernel us/tok PDL':>21}"
+    )
+    lost = 0.0
+    for k in sorted(own, key=lambda k: -sum(moved[True].get(k, [0.0]))):
+        d = sum(own[k]) / len(own[k])
+        on = moved[True].get(k, [])
+        off = moved[False].get(k, [])
+        if not on or not off:
+            continue
+        m_on, m_off = sum(on) / len(on), sum(off) / len(off)
+        extra = (m_on - d) * len(on) / n
+        lost += extra
+        print(f"{k:<40} {len(on) / n:>9.1f} {d:>8.2f} {m_on:>10.2f} {m_off:>10.2f} {extra:>21.1f}")
+    print(f"no-kernel time with PDL, summed: {lost:.1f} us a token")
+    print(f"{'gaps, PDL off: before -> after':<70} {'count/tok':>9} {'mean us':>8} {'us/tok':>8}")
+    for (a, b), g in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:20]:
+        print(
+            f"{a + ' -> ' + b:<70} {len(g) / runs[False][0]:>9.1f} {sum(g) / len(g):>8.2f} {sum(g) / runs[False][0]:>8.1f}"
+        )
+    print()
+
+
 def _is_gemm(name: str) -> bool:
     low = name.lower()
     return any(
@@ -189,6 +296,7 @@ def main() -> int:
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="skip the GEMM tables")
     ap.add_argument("--no-attention", dest="attention", action="store_false", help="skip the attention table")
     ap.add_argument("--gemm", default="cublas", help="GEMM backends to profile the decode with, comma list")
+    ap.add_argument("--timeline", action="store_true", help="only the timeline of each --gemm backend (see 3. above)")
     ap.add_argument(
         "--no-pdl",
         dest="pdl",
@@ -196,6 +304,10 @@ def main() -> int:
         help="plans captured without programmatic dependent launch (under PDL a kernel's span includes its wait)",
     )
     a = ap.parse_args()
+    if a.timeline:
+        for gemm in a.gemm.split(","):
+            timeline(a.rounds, gemm)
+        return 0
     bw = copy_bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
     if a.gemv:

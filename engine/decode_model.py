@@ -83,6 +83,7 @@ class DecodeModel(Protocol):
         """Logits [T, n] over the draft's n-id sub-vocabulary (0 = all), in `draft_ids(n)` order."""
         ...
 
-    def sync(self) -> None:
-        """Wait for the device's queued work: the round's one synchronisation."""
+    def sync(self, until=None) -> None:
+        """Wait for the device's queued work, or its work up to the recorded CUDA event `until`: the round's one
+        synchronisation."""
         ...

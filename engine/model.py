@@ -411,14 +411,20 @@ class Model:
         ok = self.remap_ids is not None and self.head is not None
         self.remap_head = self.head.index_select(0, self.remap_ids) if ok else None
 
-    def sync(self) -> None:
-        """Wait for this device's queued work (the round's one synchronisation). With a `watch`, poll
-        instead of blocking, so that a lost worker (whose collective would never complete) is noticed."""
+    def sync(self, until: torch.cuda.Event | None = None) -> None:
+        """Wait for this device's queued work (the round's one synchronisation), or only up to the recorded event
+        `until` (work queued after it keeps running). With a `watch`, poll instead of blocking, so that a lost
+        worker (whose collective would never complete) is noticed."""
         if self.watch is None:
-            torch.cuda.current_stream(self.device).synchronize()
+            if until is not None:
+                until.synchronize()
+            else:
+                torch.cuda.current_stream(self.device).synchronize()
             return
-        done = torch.cuda.Event()
-        done.record()
+        done = until
+        if done is None:
+            done = torch.cuda.Event()
+            done.record()
         next_check = 0.0
         while not done.query():
             now = time.monotonic()

@@ -77,6 +77,7 @@ class RoundOutcome:
     host_after_s: float = 0.0
     # The draft scored its sub-vocabulary through the model's sub-vocab order (engine/subvocab.py).
     remapped: bool = False
+    pipelined: bool = False  # queued behind the round before it, its inputs taken on the device (launch_round)
 
 
 PREFILL_CHUNK = 2048  # prompt tokens per forward pass: peak memory of a prefill stays that of one chunk
@@ -387,9 +388,36 @@ class LaunchedRound:
     width: int  # verify rows: drafts + 1
     clock: _Clock
     counters: tuple[int, int, float]  # the plan pool's (hits, misses, capture s) before the round
+    counted: tuple[int, int, float]  # the same once the round's plans were launched
     t0: float
     t_launched: float
     remapped: bool
+    out_host: torch.Tensor  # where its results are copied: state.out_hosts[out_slot] (two rounds queued: two)
+    out_slot: int
+    pipelined: bool = False  # its inputs were taken on the device from the round queued before it (behind)
+
+
+def can_pipeline(state: SessionState, settings: EngineSettings, after: LaunchedRound | RoundOutcome | None) -> bool:
+    """Whether the round after `after` (queued, not read yet) can be queued before `after` is read: a target-only
+    round after a target-only round, whose one input token and position are `after`'s results, already on the
+    device (behind); with room for it in the budget and the context. A speculative round cannot: its draft's
+    catch-up rows are host tokens staged at launch."""
+    return (
+        isinstance(after, LaunchedRound)
+        and after.width == 1
+        and not after.settings.speculative
+        and not settings.speculative
+        and after.budget > 1
+        and after.n + 1 < state.max_context
+    )
+
+
+def _advance(state: SessionState) -> None:
+    """The staged inputs of a target-only round from the one queued before it, on the device: what _stage would
+    write once that round is read (target length + 1, the pending MTP row index + 1, its emitted token as the
+    verify's input), so nothing waits for the host between the two."""
+    state.stage_dev[0:3:2].add_(1)
+    state.ids_buf[:1].copy_(state.out_buf[2:3])
 
 
 def launch_round(
@@ -402,6 +430,7 @@ def launch_round(
     is_cancelled: Callable[[], bool] = lambda: False,
     drafter: Drafter | None = None,
     sampling: SamplingParams | None = None,
+    behind: LaunchedRound | None = None,
 ) -> LaunchedRound | RoundOutcome:
     """Queue a round's device work (draft, verify, the copy of its results to the host) without waiting for
     it; the host state is left as it was until finish_round, which emits between 1 and min(budget, depth+1)
@@ -409,7 +438,14 @@ def launch_round(
     None or temperature 0: greedy (argmax); otherwise speculative sampling (see engine/sampling.py).
     `settings.synthetic_rates` set: synthetic acceptance (greedy only; see the module's docstring).
     A round is launch_round then finish_round; between the two the caller may do host work of its own
-    (the engine: the previous round's event), which then overlaps the device's work."""
+    (the engine: the previous round's event), which then overlaps the device's work.
+    `behind`: a round queued and not read yet (`can_pipeline` must hold): this round is queued behind it with
+    its inputs taken from its results on the device, so the device goes from one to the other without waiting for
+    the host. It is this round's caller's to finish `behind` first, then this one (or abandon_round it, if
+    `behind` turned out to be the run's last: an end of text). `budget` is then the tokens allowed after
+    `behind`'s one."""
+    if behind is not None and not can_pipeline(state, settings, behind):
+        raise ValueError("behind: only a target-only round after a target-only round with budget left")
     check_fits(model, settings)
     check_synthetic(settings, sampling)
     sp = active(sampling)
@@ -418,8 +454,8 @@ def launch_round(
     if bufs is not None:
         bufs.set_seed(sp.seed)
     vq = vocab  # the width of the draft's q rows the verify reads (sampling)
-    n = len(state.tokens)
-    if state.target_len != n - 1:
+    n = len(state.tokens) if behind is None else behind.n + 1
+    if behind is None and state.target_len != n - 1:
         refill(model, state)
     model.configure(settings)
     hits0, misses0, cap0 = plans.counters()
@@ -437,7 +473,10 @@ def launch_round(
     staged = [n - 1, first, width_mtp - 1, state.tokens[-1]]
     if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
         staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
-    _stage(state, staged)
+    if behind is None:
+        _stage(state, staged)
+    else:
+        _advance(state)
 
     n_drafts = depth
     p_min = settings.p_min
@@ -522,10 +561,12 @@ def launch_round(
         plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
     t_launched = time.perf_counter()
     clock.mark()
-    out_host = state.out_host[: width + 2]
-    # an asynchronous copy into pinned memory (as the staging copies): queued, not waited for
+    # an asynchronous copy into pinned memory (as the staging copies): queued, not waited for; a round queued
+    # behind one not read yet copies into the other buffer
+    slot = 1 - behind.out_slot if behind is not None else 0
+    out_host = state.out_hosts[slot][: width + 2]
     out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
-    clock.mark()  # recorded before the sync, so every event is complete when the spans are read
+    clock.mark()  # recorded after the copy: finish_round waits for this event, so every span is complete
     return LaunchedRound(
         settings=settings,
         budget=budget,
@@ -534,9 +575,13 @@ def launch_round(
         width=width,
         clock=clock,
         counters=(hits0, misses0, cap0),
+        counted=plans.counters(),
         t0=t0,
         t_launched=t_launched,
         remapped=remapped,
+        out_host=out_host,
+        out_slot=slot,
+        pipelined=behind is not None,
     )
 
 
@@ -552,12 +597,14 @@ def finish_round(
     the host waits, so that it overlaps the device's work instead of following it."""
     n, width, clock = launched.n, launched.width, launched.clock
     hits0, misses0, cap0 = launched.counters
-    out_host = state.out_host[: width + 2]
+    out_host = launched.out_host
+    if state.target_len != n - 1 or len(state.tokens) != n:
+        raise RuntimeError(f"finish_round: the host state is not the round's ({state.target_len=}, {n=})")
     if while_waiting is not None:
         while_waiting()
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
         if model.device.type == "cuda":
-            model.sync()
+            model.sync(clock.marks[-1])  # this round's copy only: a round queued behind it keeps running
     t_synced = time.perf_counter()
     got = out_host.tolist()
     t_read = time.perf_counter()
@@ -578,7 +625,7 @@ def finish_round(
         refill(model, state)
     t_end = time.perf_counter()
     draft_s, verify_s, read_s = clock.spans()
-    hits1, misses1, cap1 = plans.counters()
+    hits1, misses1, cap1 = launched.counted
     return RoundOutcome(
         tokens=emitted,
         from_draft=from_draft,
@@ -596,13 +643,20 @@ def finish_round(
         host_wait_s=t_synced - launched.t_launched,
         host_after_s=t_end - t_synced,
         remapped=launched.remapped,
+        pipelined=launched.pipelined,
     )
 
 
 def abandon_round(model: DecodeModel, state: SessionState, plans: PlanPool, launched: LaunchedRound) -> None:
     """A launched round nobody will read (its run was dropped while it was queued ahead): wait for it, then
     take the host state back to before it. Its tokens are not committed; the planes it wrote are marked
-    unused, so a later rollback never takes one of them for a position it no longer holds."""
+    unused, so a later rollback never takes one of them for a position it no longer holds. Where the host state
+    is no longer the one it was queued on (a round queued behind one whose read failed, and the session's
+    computed state forgotten since), it is only waited for."""
+    if state.target_len != launched.n - 1 or len(state.tokens) != launched.n:
+        if model.device.type == "cuda":
+            model.sync(launched.clock.marks[-1])
+        return
     finish_round(model, state, plans, launched)
     n = launched.n
     del state.tokens[n:]

@@ -103,7 +103,8 @@ class SessionState:
         self.synth_staged: tuple | None = None  # the (rates, seed) those buffers hold
         pinned = device.type == "cuda"
         self.stage_host = torch.zeros(3 + width + max_context, dtype=torch.long, pin_memory=pinned)
-        self.out_host = torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned)
+        # the rounds' results on the host: two, so a round queued behind one not read yet has its own
+        self.out_hosts = tuple(torch.zeros(width + 2, dtype=torch.long, pin_memory=pinned) for _ in range(2))
         self._offsets = torch.arange(max_context, dtype=torch.long, device=device)  # 0, 1, 2, ...
         self.sampling_buffers: SamplingBuffers | None = None  # made at the first sampled round (engine/sampling.py)
         self.reset()

@@ -37,6 +37,9 @@ class RoundEvent:
     # Synthetic acceptance (settings.synthetic_rates): the accepted count was drawn, not decided by the target,
     # so this round's text is not the model's output and its figures measure speed only.
     synthetic: bool = False
+    # Queued on the device behind the round before it, its input taken there (target-only; run stats:
+    # pipelined_rounds): the device did not wait for the host between the two.
+    pipelined: bool = False
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,6 +67,7 @@ class RunStats:
         self.plan_misses = 0
         self.plan_capture_s = 0.0
         self.remap_rounds = 0
+        self.pipelined_rounds = 0
         self.stop_reason: str | None = None
         # the round cost model: depth -> [rounds, draft, verify, accept, host, whole round seconds], over
         # rounds that captured no plan (a capture is a one-off, not the cost of a depth)
@@ -99,6 +103,7 @@ class RunStats:
         self.plan_misses += ev.plan_misses
         self.plan_capture_s += ev.plan_capture_s
         self.remap_rounds += ev.remapped
+        self.pipelined_rounds += ev.pipelined
 
     def round_cost(self) -> dict[int, dict[str, float]]:
         """Mean seconds of each phase of a round, per depth drafted (0 = no drafting), over rounds that
@@ -132,6 +137,7 @@ class RunStats:
             "plan_misses": self.plan_misses,
             "plan_capture_s": self.plan_capture_s,
             "remap_rounds": self.remap_rounds,
+            "pipelined_rounds": self.pipelined_rounds,
             "stop_reason": self.stop_reason,
             "synthetic": self.synthetic,
             "memory": dict(memory or {}),

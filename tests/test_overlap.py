@@ -120,3 +120,101 @@ def test_by_default_overlap_is_on_for_a_gpu_only(tiny_engine):
     events = _cancel_at_third_event(tiny_engine, tiny_engine.new_session())
     assert len([ev for ev in events if ev.tokens]) == 3
     assert events[-1].stop_reason == "cancelled"
+
+
+# ---- pipelined rounds: a target-only round queued behind the one before it, its input taken on the device ----
+# On the bundled model, whose greedy text varies from token to token (the random tiny model repeats its last
+# token, so a round fed a stale token or position would go unseen there).
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from engine import Engine
+
+    eng = Engine.load()  # no model given: the bundled one
+    eng.overlap_rounds = True
+    return eng
+
+
+@pytest.fixture(scope="module")
+def code(bundled):
+    return bundled.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n")
+
+
+def _plain(eng, prompt, n, settings=None, sampling=None):
+    eng.overlap_rounds = False
+    try:
+        settings = settings or EngineSettings(speculative=False)
+        return eng.generate(prompt, n, settings, eng.new_session(), sampling=sampling)
+    finally:
+        eng.overlap_rounds = True
+
+
+def test_target_only_rounds_are_pipelined_and_give_greedy_tokens(bundled, code):
+    """Past the first, every target-only round is queued before the one ahead of it is read (its token and
+    position come from that round's results on the device): the same tokens as plain greedy decoding."""
+    want = _plain(bundled, code, 30).tokens
+    assert len(set(want)) > 5  # a text whose next token depends on the last
+    sess = bundled.new_session()
+    events = list(bundled.stream(code, 30, EngineSettings(speculative=False), sess))
+    assert [t for ev in events for t in ev.tokens] == want
+    assert [ev.pipelined for ev in events] == [False] + [True] * 29
+    assert events[-1].run["pipelined_rounds"] == 29 and events[-1].run["generated"] == 30
+    assert sess.tokens == code + want
+
+
+def test_without_overlap_no_round_is_pipelined(bundled, code):
+    assert _plain(bundled, code, 12).stats["pipelined_rounds"] == 0
+
+
+def test_an_end_of_text_drops_the_round_pipelined_behind_it(bundled, code, monkeypatch):
+    """The round queued behind the one that emits an end-of-text token never reaches the session: the run stops
+    at the EOS, and the session then continues exactly as greedy decoding does (the dropped round's cache
+    entries and recurrent planes are not taken for positions it no longer holds)."""
+    want = _plain(bundled, code, 40).tokens
+    eos = want[9]
+    first = want.index(eos)
+    monkeypatch.setattr(bundled.tokenizer, "eos_token_ids", frozenset({eos}))
+    sess = bundled.new_session()
+    res = bundled.generate(code, 40, EngineSettings(speculative=False), sess)
+    assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos"
+    assert res.stats["generated"] == first + 1 == res.stats["rounds"]
+    assert sess.tokens == code + want[: first + 1]
+    monkeypatch.setattr(bundled.tokenizer, "eos_token_ids", frozenset())
+    more = bundled.generate(sess.tokens, 40 - first - 1, EngineSettings(speculative=False), sess).tokens
+    assert want[: first + 1] + more == want
+
+
+def test_a_stream_dropped_with_a_pipelined_round_queued_leaves_the_session_as_handed_over(bundled, code):
+    want = _plain(bundled, code, 30).tokens
+    sess = bundled.new_session()
+    it = bundled.stream(code, 30, EngineSettings(speculative=False), sess)
+    seen = [t for _ in range(6) for t in next(it).tokens]
+    it.close()  # round 7 was queued behind round 6: it must not reach the session
+    assert sess.tokens == code + seen
+    assert seen + bundled.generate(sess.tokens, 24, EngineSettings(speculative=False), sess).tokens == want
+
+
+def test_switching_to_speculative_stops_pipelining_and_keeps_greedy_tokens(bundled, code):
+    """A change to speculative settings made while handling an event: the round already queued (pipelined) is
+    emitted, the speculative rounds after it are queued only once the round before is read, and the text is
+    still greedy's."""
+    want = _plain(bundled, code, 40).tokens
+    sess = bundled.new_session()
+    events = []
+    for ev in bundled.stream(code, 40, EngineSettings(speculative=False), sess):
+        events.append(ev)
+        if len(events) == 4:
+            sess.settings = EngineSettings(draft_depth=3, chain=True)
+    assert [t for ev in events for t in ev.tokens] == want
+    assert [ev.pipelined for ev in events[:5]] == [False, True, True, True, True]
+    assert events[5].depth == 3 and not any(ev.pipelined for ev in events[5:])
+    assert sess.tokens == code + want
+
+
+def test_sampled_target_only_rounds_are_pipelined_and_draw_the_same_tokens(bundled, code):
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    want = _plain(bundled, code, 30, sampling=sampling)
+    got = bundled.generate(code, 30, EngineSettings(speculative=False), bundled.new_session(), sampling=sampling)
+    assert got.tokens == want.tokens and len(set(want.tokens)) > 5
+    assert got.stats["pipelined_rounds"] == 29 and want.stats["pipelined_rounds"] == 0
