@@ -4,7 +4,7 @@ scratch, PDL as the engine defaults), the bundled model target-only and speculat
 kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
-                              [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact]
+                              [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -15,7 +15,9 @@ nothing on its own; the seeded draws accept the same in both trees), where the v
 the product alone, in one process. --one-launch-ab: target-only with auto's one-row choices against each epilogue
 shape's fastest one-launch form (auto's own timings printed), in one process. --exact: only the 9B-like model
 speculative (depth 3, chain, synthetic acceptance) in gemm mode "exact", whose verify runs the row-invariant
-variant's fused add + norm form at 4 rows.
+variant's fused add + norm form at 4 rows. --fold-min-keys: 9B-like target-only with decode attention's least
+keys a split takes (kernels.cuda._ATT_FOLD_MIN_KEYS) at each value, in one process, the list twice (each run a new
+session: its plans captured with that value).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def main() -> int:
         action="store_true",
         help="9B-like speculative with auto's choices timed with the add + norm epilogue and without, interleaved",
     )
+    ap.add_argument("--fold-min-keys", default=None, help="comma list of _ATT_FOLD_MIN_KEYS values to compare")
     ap.add_argument(
         "--exact",
         action="store_true",
@@ -127,6 +130,8 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         norm_ab(eng, a)
     if a.one_launch_ab:
         one_launch_ab(eng, a)
+    if a.fold_min_keys:
+        fold_min_keys_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -191,6 +196,34 @@ def one_launch_ab(eng: Engine, a: argparse.Namespace) -> None:
         print(f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s")
         print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     g.choices = auto
+
+
+def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    from attention_sweep import per_call_us
+
+    from kernels import cuda as kc
+
+    was = kc._ATT_FOLD_MIN_KEYS
+    values = [int(v) for v in a.fold_min_keys.split(",")]
+    # decode attention alone (9B-like heads, bf16, device start as in a plan) over a 32768-slot cache
+    slots, hq, hkv, d = 32768, 16, 4, 256
+    kcache = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vcache = torch.randn_like(kcache)
+    for t in (1, 4):
+        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+        for ctx in (128, 512, 2048, 8192, 32768):
+            start = torch.tensor([ctx - t], device="cuda")
+            cells = []
+            for v in values:
+                kc._ATT_FOLD_MIN_KEYS = v
+                us = per_call_us(lambda q=q, start=start: kc.attention_cached(q, kcache, vcache, start, d**-0.5))
+                cells.append(f"min keys {v}: {us:.1f}")
+            print(f"attention T={t} context {ctx} (us a call): " + ", ".join(cells))
+    for v in values * 2:
+        kc._ATT_FOLD_MIN_KEYS = v
+        tps, _ = median_tps(eng, target, a.n, a.reps)
+        print(f"9B-like target-only, gemm auto [attention fold min keys {v}]: {tps:.1f} t/s")
+    kc._ATT_FOLD_MIN_KEYS = was
 
 
 def bundled(a: argparse.Namespace) -> None:

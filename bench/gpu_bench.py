@@ -18,8 +18,9 @@ pdl   issue 20: programmatic dependent launch off vs on, plans captured each way
 s     sampling (issue 17): speculative sampling vs target-only sampling at the same temperature (0.7, 1.0, and
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
-overlap  the next round queued before the previous event is handed over (Engine.overlap_rounds), off vs on:
-      bundled target-only / depth 5 chain / auto, 9B-like target-only; whether the tokens are the same
+overlap  rounds queued ahead (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this
+      one is read, and target-only rounds pipelined (queued before the one ahead is read): bundled target-only /
+      depth 5 chain / auto, 9B-like target-only (gemm auto); whether the tokens are the same
 """
 
 from __future__ import annotations
@@ -627,30 +628,32 @@ def section_auto(eng: Engine, n: int, reps: int = 7) -> None:
 
 
 def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
-    """Overlapped rounds (Engine.overlap_rounds): off vs on, interleaved passes on one session a cell, the
-    bundled model (target-only, depth 5 chain, auto) and the 9B-like model (target-only); and whether the
-    tokens are the same."""
-    say(f"== (overlap) the next round queued before the event is handed over: off vs on, median of {reps} ==")
+    """Overlapped rounds (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this one
+    is read (before its event is handed over), and a target-only round queued before the one ahead of it is read
+    (pipelined, its input taken on the device); interleaved passes on one session a cell, the bundled model
+    (target-only, depth 5 chain, auto) and the 9B-like model (target-only); and whether the tokens are the same."""
+    say(f"== (overlap) rounds queued ahead: off / after the read / pipelined (target-only), median of {reps} ==")
+    modes = {"off": (False, False), "queued": (True, False), "pipelined": (True, True)}
 
     def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
-        was, texts = eng.overlap_rounds, {}
-        runs = interleaved(
-            eng,
-            {False: settings, True: settings},
-            prompt,
-            tokens,
-            reps,
-            tokens,
-            before=lambda on: setattr(eng, "overlap_rounds", on),
-            warm_tokens=texts,
+        was, texts = (eng.overlap_rounds, eng.pipeline_rounds), {}
+        cells = {m: settings for m in modes if settings.speculative is False or m != "pipelined"}
+
+        def before(mode):
+            eng.overlap_rounds, eng.pipeline_rounds = modes[mode]
+
+        runs = interleaved(eng, cells, prompt, tokens, reps, tokens, before=before, warm_tokens=texts)
+        eng.overlap_rounds, eng.pipeline_rounds = was
+        out = {m: [r["tokens_per_second"] for r in v] for m, v in runs.items()}
+        med = {m: statistics.median(v) for m, v in out.items()}
+        cols = "  ".join(f"{m} {med[m]:8.1f}" for m in cells)
+        ratios = "  ".join(
+            f"{m}/off {med[m] / med['off']:5.3f}x ({compare_ranges(out['off'], out[m])})" for m in cells if m != "off"
         )
-        eng.overlap_rounds = was
-        out = {on: [r["tokens_per_second"] for r in v] for on, v in runs.items()}
-        off, on = statistics.median(out[False]), statistics.median(out[True])
-        say(
-            f"{label:<34} off {off:8.1f}  on {on:8.1f} t/s  {on / off:5.3f}x ({compare_ranges(out[False], out[True])})"
-            f"; same tokens: {texts[False] == texts[True]}"
-        )
+        if "pipelined" in cells:
+            ratios += f"  pipelined/queued {med['pipelined'] / med['queued']:5.3f}x"
+        same = all(texts[m] == texts["off"] for m in cells)
+        say(f"{label:<24} {cols} t/s  {ratios}; same tokens: {same}")
 
     eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
     prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
@@ -664,7 +667,9 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     del eng
     torch.cuda.empty_cache()
     eng = random_9b_engine()
-    measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), list(range(100, 164)), 128)
+    with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+        eng.model.set_gemm("auto", cache_dir=cache)
+    measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), list(range(100, 164)), 256)
     eng.close()
     say()
 

@@ -226,6 +226,10 @@ class Engine:
         # (the tests run it on the CPU; `bench/gpu_bench.py --sections overlap` compares the two: on the H200
         # 1.11x target-only and 1.16x auto on the bundled model, bench/results/h200-overlap-2026-12-01.txt).
         self.overlap_rounds: bool | None = None
+        # Where rounds overlap on one device, a target-only round is queued behind the one before it before that
+        # one is read (see _run: pipelined rounds): None / True = so, False = queued only after the read (the
+        # overlap alone; `bench/gpu_bench.py --sections overlap` compares the three).
+        self.pipeline_rounds: bool | None = None
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
         self.sub_vocab_order: SubVocabOrder | None = None
@@ -800,7 +804,7 @@ class Engine:
             overlap = leader and (
                 self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
             )
-            pipeline = overlap and self.cluster is None and drafter is None
+            pipeline = overlap and self.pipeline_rounds is not False and self.cluster is None and drafter is None
             pending = None  # (launched round, its settings) queued ahead of this round's event
             held = None  # settings read for the next round to pipeline that could not be pipelined
             stop_with = None  # settings of a cancel found while queueing ahead: the run ends after this event

@@ -218,3 +218,11 @@ def test_sampled_target_only_rounds_are_pipelined_and_draw_the_same_tokens(bundl
     got = bundled.generate(code, 30, EngineSettings(speculative=False), bundled.new_session(), sampling=sampling)
     assert got.tokens == want.tokens and len(set(want.tokens)) > 5
     assert got.stats["pipelined_rounds"] == 29 and want.stats["pipelined_rounds"] == 0
+
+
+def test_pipelining_can_be_turned_off_keeping_the_overlap(bundled, code, monkeypatch):
+    """Engine.pipeline_rounds False: rounds still queued ahead after each read (overlap), none pipelined; the
+    same tokens either way."""
+    monkeypatch.setattr(bundled, "pipeline_rounds", False)
+    res = bundled.generate(code, 20, EngineSettings(speculative=False), bundled.new_session())
+    assert res.stats["pipelined_rounds"] == 0 and res.tokens == _plain(bundled, code, 20).tokens
