@@ -15,9 +15,9 @@ nothing on its own; the seeded draws accept the same in both trees), where the v
 the product alone, in one process. --one-launch-ab: target-only with auto's one-row choices against each epilogue
 shape's fastest one-launch form (auto's own timings printed), in one process. --exact: only the 9B-like model
 speculative (depth 3, chain, synthetic acceptance) in gemm mode "exact", whose verify runs the row-invariant
-variant's fused add + norm form at 4 rows. --fold-min-keys: 9B-like target-only with decode attention's least
-keys a split takes (kernels.cuda._ATT_FOLD_MIN_KEYS) at each value, in one process, the list twice (each run a new
-session: its plans captured with that value).
+variant's fused add + norm form at 4 rows. --fold-min-keys: decode attention alone (T = 1 and 4, 128..32k keys)
+and 9B-like target-only with the least keys a split takes (kernels.cuda._ATT_FOLD_MIN_KEYS and its _ONE_ROW, both
+set) at each value, in one process, the list twice (each run a new session: its plans captured with that value).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings)
 
     from kernels import cuda as kc
 
-    was = kc._ATT_FOLD_MIN_KEYS
+    was = kc._ATT_FOLD_MIN_KEYS, kc._ATT_FOLD_MIN_KEYS_ONE_ROW
     values = [int(v) for v in a.fold_min_keys.split(",")]
     # decode attention alone (9B-like heads, bf16, device start as in a plan) over a 32768-slot cache
     slots, hq, hkv, d = 32768, 16, 4, 256
@@ -215,15 +215,15 @@ def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings)
             start = torch.tensor([ctx - t], device="cuda")
             cells = []
             for v in values:
-                kc._ATT_FOLD_MIN_KEYS = v
+                kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = v
                 us = per_call_us(lambda q=q, start=start: kc.attention_cached(q, kcache, vcache, start, d**-0.5))
                 cells.append(f"min keys {v}: {us:.1f}")
             print(f"attention T={t} context {ctx} (us a call): " + ", ".join(cells))
     for v in values * 2:
-        kc._ATT_FOLD_MIN_KEYS = v
+        kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = v
         tps, _ = median_tps(eng, target, a.n, a.reps)
         print(f"9B-like target-only, gemm auto [attention fold min keys {v}]: {tps:.1f} t/s")
-    kc._ATT_FOLD_MIN_KEYS = was
+    kc._ATT_FOLD_MIN_KEYS, kc._ATT_FOLD_MIN_KEYS_ONE_ROW = was
 
 
 def bundled(a: argparse.Namespace) -> None:

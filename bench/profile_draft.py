@@ -117,7 +117,7 @@ def main() -> int:
     for combine, min_keys in variants:
         kc._ATT_COMBINE = combine
         if min_keys is not None:
-            kc._ATT_FOLD_MIN_KEYS = int(min_keys)
+            kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = int(min_keys)
         print(f"-- attention combine {combine}, least keys a split {kc._ATT_FOLD_MIN_KEYS}")
         steps = {}
         for sub in (int(s) for s in a.subs.split(",")):

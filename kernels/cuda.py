@@ -486,6 +486,12 @@ _ATT_COMBINE = "fold"
 # The least keys a "vecb" split takes in the fold form (a short context: fewer, longer splits; decode_kernels.cu
 # AV_MIN_KEYS is the other forms')
 _ATT_FOLD_MIN_KEYS = 64
+# ... for one query row (a target-only step, a draft step; and every row in row-invariant mode, so that a verify's
+# row splits as a step's): shorter splits, more of them in flight. H200, decode_ab.py --fold-min-keys 64,16,32
+# (bench/results/h200-pipelined-2026-12-02.txt), us a call at 128/512/2k/8k/32k keys, T = 1: 64 keys 13.0/14.2/
+# 20.5/29.5/56.5, 32 keys 10.8/13.4/19.2/30.0/56.5, 16 keys 10.1/14.1/22.6/30.1/56.5; T = 4: 32 keys faster at
+# 128/512 (10.5, 14.4 against 12.8, 15.5) but slower at 2k (20.5 against 19.7), so several rows keep 64.
+_ATT_FOLD_MIN_KEYS_ONE_ROW = 32
 _ATT_MIN_KEYS_PER_SPLIT = 64
 # Blocks per SM the key splits aim for. A block walks its keys one dependent step after another, so a
 # long context needs many blocks in flight to keep memory busy; splits past the context's length return
@@ -647,7 +653,8 @@ def attention_cached(
         args = la.AttnTileArgs(T=t, vec_ok=vec_ok, **common)
     elif fold is not None:
         name = "attn_vecb_u2_g4_f"
-        args = la.AttnFoldArgs(**common, cnt=fold, min_keys=_ATT_FOLD_MIN_KEYS)
+        least = _ATT_FOLD_MIN_KEYS_ONE_ROW if t == 1 or _ATT_ROW_INVARIANT else _ATT_FOLD_MIN_KEYS
+        args = la.AttnFoldArgs(**common, cnt=fold, min_keys=least)
     else:
         args = la.AttnSplitArgs(**common)
     _launch(name, q.dtype, q.device, grid, (128,), args)

@@ -243,12 +243,13 @@ def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 6, 17])
 @pytest.mark.parametrize("start", [5, 300, 1000, 30000])
-@pytest.mark.parametrize("min_keys", [16, 64])
+@pytest.mark.parametrize("min_keys", [16, 32, 64])
 def test_attention_fold_merges_the_splits_in_one_launch(kc, monkeypatch, dtype, t, start, min_keys):
     """vecb with the splits' combine folded into its launch: one kernel, the gated output within a rounding of
     the combine launch's (attn_combine_par) and close to the reference, whatever the least keys a split; its
     counters left at zero (a captured launch replayed with new queries equals eager calls)."""
     monkeypatch.setattr(kc, "_ATT_FOLD_MIN_KEYS", min_keys)
+    monkeypatch.setattr(kc, "_ATT_FOLD_MIN_KEYS_ONE_ROW", min_keys)
     torch.manual_seed(t + start + min_keys)
     max_ctx, hq, hkv, d = 32768 + 64, 16, 4, 256
     kcache, vcache = rnd(max_ctx, hkv, d, dtype=dtype), rnd(max_ctx, hkv, d, dtype=dtype)
