@@ -154,17 +154,7 @@ def profile_rounds(rounds: int, gemm: str = "cublas", pdl: bool = True) -> None:
     if not pdl:  # PDL is the default on sm_90+; before the gemm mode, so that "auto" times its candidates alike
         eng.set_model_option("pdl", False)
     eng.model.set_gemm(gemm)
-    prompt = list(range(100, 164))
-    sess = eng.new_session()
-    s = EngineSettings(speculative=False, plan_pool=8)
-    eng.generate(prompt, rounds + 4, s, sess)
-    sess.reset()
-    stream = eng.stream(prompt, rounds + 1, s, sess)
-    next(stream)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        n = sum(1 for _ in stream)
-        torch.cuda.synchronize()
+    n, prof = _profiled(eng, rounds)
     by_name = kernel_times(prof)
     total = sum(v[0] for v in by_name.values()) / n
     gemm_us = sum(v[0] for k, v in by_name.items() if _is_gemm(k)) / n
@@ -206,7 +196,9 @@ def _short(name: str) -> str:
     return name.split("(")[0].split("<")[0][:40]
 
 
-def _profiled_rows(eng, rounds: int) -> tuple[int, list[tuple[float, float, str]]]:
+def _profiled(eng, rounds: int):
+    """(tokens, the finished torch.profiler run) of `rounds` target-only rounds of `eng`, its plans captured
+    before (a first generation) and the first round of the profiled stream outside the profile."""
     prompt = list(range(100, 164))
     sess = eng.new_session()
     s = EngineSettings(speculative=False, plan_pool=8)
@@ -218,7 +210,7 @@ def _profiled_rows(eng, rounds: int) -> tuple[int, list[tuple[float, float, str]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         n = sum(1 for _ in stream)
         torch.cuda.synchronize()
-    return n, _kernel_rows(prof)
+    return n, prof
 
 
 def timeline(rounds: int, gemm: str) -> None:
@@ -229,7 +221,8 @@ def timeline(rounds: int, gemm: str) -> None:
     runs = {}
     for pdl in (True, False):
         eng.set_model_option("pdl", pdl)
-        runs[pdl] = _profiled_rows(eng, rounds)
+        n, prof = _profiled(eng, rounds)
+        runs[pdl] = (n, _kernel_rows(prof))
     eng.close()
     timeline_report(runs, gemm)
 

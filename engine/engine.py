@@ -828,7 +828,8 @@ class Engine:
 
             def queue_ahead(after=None):
                 """Read the next round's settings and queue it (behind `after`, not read yet, when given and
-                can_pipeline holds; else they are held for after this round's read). Sets pending / held / stop_with / failed."""
+                can_pipeline holds; else they are held for after this round's read). Sets pending, held,
+                stop_with or failed."""
                 nonlocal pending, held, stop_with, failed
                 nxt, cancelled = (held, False) if held is not None else rounds.next()
                 held = None
