@@ -245,9 +245,11 @@ def test_attention_long_context(kc, monkeypatch, combine, impl, dtype, t, start)
 @pytest.mark.parametrize("start", [5, 300, 1000, 30000])
 @pytest.mark.parametrize("min_keys", [16, 32, 64])
 def test_attention_fold_merges_the_splits_in_one_launch(kc, monkeypatch, dtype, t, start, min_keys):
-    """vecb with the splits' combine folded into its launch: one kernel, the gated output within a rounding of
-    the combine launch's (attn_combine_par) and close to the reference, whatever the least keys a split; its
-    counters left at zero (a captured launch replayed with new queries equals eager calls)."""
+    """vecb with the splits' combine folded into its launch: one kernel, the gated output close to the reference
+    whatever the least keys a split, and within a rounding of the combine launch's (attn_combine_par) where the two
+    split the keys alike (the combine launch's splits take AV_MIN_KEYS = 64 keys at least; with another least the
+    partial sums are grouped otherwise); its counters left at zero (a captured launch replayed with new queries
+    equals eager calls)."""
     monkeypatch.setattr(kc, "_ATT_FOLD_MIN_KEYS", min_keys)
     monkeypatch.setattr(kc, "_ATT_FOLD_MIN_KEYS_ONE_ROW", min_keys)
     torch.manual_seed(t + start + min_keys)
@@ -264,9 +266,10 @@ def test_attention_fold_merges_the_splits_in_one_launch(kc, monkeypatch, dtype, 
     monkeypatch.setattr(kc, "_ATT_COMBINE", "par")
     two = kc.attention_cached(q, kcache, vcache, st, d**-0.5, gate)
     assert launched[1:] == ["attn_vecb_u2_g4", "attn_combine_par"]
-    ulp = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
-    assert bool(((out.float() - two.float()).abs() <= two.float().abs() * ulp + 1e-6).all())
     close(out, ref.attention_cached(q, kcache, vcache, start, d**-0.5, gate), "folded attention")
+    if min_keys == 64:
+        ulp = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
+        assert bool(((out.float() - two.float()).abs() <= two.float().abs() * ulp + 1e-6).all())
     monkeypatch.setattr(kc, "_ATT_COMBINE", "fold")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
