@@ -19,7 +19,8 @@ s     sampling (issue 17): speculative sampling vs target-only sampling at the s
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
 overlap  rounds queued ahead (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this
-      one is read, and target-only rounds pipelined (queued before the one ahead is read): bundled target-only /
+      one is read, and rounds pipelined (queued before the one ahead is read; "all": target-only and greedy
+      chained drafts of a static depth): bundled target-only /
       depth 5 chain / auto, 9B-like target-only (gemm auto); whether the tokens are the same
 """
 
@@ -633,11 +634,12 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     (pipelined, its input taken on the device); interleaved passes on one session a cell, the bundled model
     (target-only, depth 5 chain, auto) and the 9B-like model (target-only); and whether the tokens are the same."""
     say(f"== (overlap) rounds queued ahead: off / after the read / pipelined (target-only), median of {reps} ==")
-    modes = {"off": (False, False), "queued": (True, False), "pipelined": (True, True)}
+    # pipelined: pipeline_rounds "all", so the speculative cells' greedy chained rounds are pipelined too
+    modes = {"off": (False, False), "queued": (True, False), "pipelined": (True, "all")}
 
     def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
         was, texts = (eng.overlap_rounds, eng.pipeline_rounds), {}
-        cells = {m: settings for m in modes if settings.speculative is False or m != "pipelined"}
+        cells = {m: settings for m in modes if settings.adaptive is False or m != "pipelined"}
 
         def before(mode):
             eng.overlap_rounds, eng.pipeline_rounds = modes[mode]

@@ -228,8 +228,9 @@ class Engine:
         self.overlap_rounds: bool | None = None
         # Where rounds overlap on one device, a target-only round is queued behind the one before it before that
         # one is read (see _run: pipelined rounds): None / True = so, False = queued only after the read (the
-        # overlap alone; `bench/gpu_bench.py --sections overlap` compares the three).
-        self.pipeline_rounds: bool | None = None
+        # overlap alone; `bench/gpu_bench.py --sections overlap` compares them); "all": greedy chained-draft rounds
+        # of a static depth too (spec.can_pipeline; tested on the CPU, not yet measured on a GPU, so not default).
+        self.pipeline_rounds: bool | str | None = None
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
         self.sub_vocab_order: SubVocabOrder | None = None
@@ -805,6 +806,8 @@ class Engine:
                 self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
             )
             pipeline = overlap and self.pipeline_rounds is not False and self.cluster is None and drafter is None
+            # speculative rounds too (pipeline_rounds "all"): greedy chained drafts of one static depth
+            pipe_spec = pipeline and self.pipeline_rounds == "all" and sampling is None
             pending = None  # (launched round, its settings) queued ahead of this round's event
             held = None  # settings read for the next round to pipeline that could not be pipelined
             stop_with = None  # settings of a cancel found while queueing ahead: the run ends after this event
@@ -812,7 +815,7 @@ class Engine:
             mark = time.perf_counter()
 
             def launch(settings, after=None):
-                budget = max_new_tokens - len(generated) if after is None else after.budget - 1
+                budget = max_new_tokens - len(generated) if after is None else None  # behind: launch_round's
                 return launch_round(
                     self.model,
                     state,
@@ -836,7 +839,8 @@ class Engine:
                 if cancelled:
                     stop_with = nxt
                     return
-                if after is not None and not can_pipeline(state, nxt, after):
+                spec = pipe_spec and rounds.controller is None  # an adaptive depth decides from the round before
+                if after is not None and not can_pipeline(state, nxt, after, speculative=spec):
                     held = nxt
                     return
                 try:  # a failure here is the next round's: this round's event goes out first
@@ -859,7 +863,12 @@ class Engine:
                             launched = launch(settings)
                     else:
                         (launched, settings), pending = pending, None
-                    if pipeline and stop_with is None and failed is None and can_pipeline(state, settings, launched):
+                    if (
+                        pipeline
+                        and stop_with is None
+                        and failed is None
+                        and can_pipeline(state, settings, launched, speculative=pipe_spec and rounds.controller is None)
+                    ):
                         queue_ahead(after=launched)
                     with self._run_failures(state), torch.inference_mode():
                         out = (

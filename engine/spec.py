@@ -382,9 +382,9 @@ class LaunchedRound:
     """A round whose work is queued on the device and whose results are not read yet (launch_round)."""
 
     settings: EngineSettings
-    budget: int
+    budget: int | None  # tokens it may emit; None until the round it was pipelined behind is read (resolve)
     eos_ids: frozenset[int]
-    n: int  # tokens before the round
+    n: int | None  # tokens before the round; None as budget
     width: int  # verify rows: drafts + 1
     clock: _Clock
     counters: tuple[int, int, float]  # the plan pool's (hits, misses, capture s) before the round
@@ -395,20 +395,53 @@ class LaunchedRound:
     out_host: torch.Tensor  # where its results are copied: state.out_hosts[out_slot] (two rounds queued: two)
     out_slot: int
     pipelined: bool = False  # its inputs were taken on the device from the round queued before it (behind)
+    # "target": a target-only round; "chain": a greedy round whose MTP head drafted on the device (chain on, no
+    # sampling, no drafter); "": neither. What can_pipeline lets a round be queued behind.
+    kind: str = ""
+    behind: LaunchedRound | None = None  # pipelined speculative: the round before it, until resolve
+    emitted_on_device: int = 0  # tokens the device accepted (before the host cut at an end of text or the budget)
+    read: bool = False  # finish_round has read it
 
 
-def can_pipeline(state: SessionState, settings: EngineSettings, after: LaunchedRound | RoundOutcome | None) -> bool:
-    """Whether the round after `after` (queued, not read yet) can be queued before `after` is read: a target-only
-    round after a target-only round, whose one input token and position are `after`'s results, already on the
-    device (behind); with room for it in the budget and the context. A speculative round cannot: its draft's
-    catch-up rows are host tokens staged at launch."""
+def resolve(state: SessionState, r: LaunchedRound) -> None:
+    """Fill in a speculative round's n and budget, queued behind a round whose accepted count the device alone
+    knew at the time: valid once that round is read (the host then holds its tokens)."""
+    if r.n is not None:
+        return
+    b = r.behind
+    if b is None or not b.read:
+        raise RuntimeError("resolve: the round this one was queued behind is not read yet")
+    r.n = len(state.tokens)
+    r.budget = b.budget - (r.n - b.n)
+    r.behind = None  # no chain of references from round to round
+    state.mtp_len = r.n - 1  # its catch-up rows end there, as launch_round records for a round staged from the host
+
+
+def can_pipeline(
+    state: SessionState,
+    settings: EngineSettings,
+    after: LaunchedRound | RoundOutcome | None,
+    speculative: bool = False,
+) -> bool:
+    """Whether the round after `after` (queued, not read yet) can be queued before `after` is read, its inputs
+    taken from `after`'s results on the device (launch_round's `behind`): a target-only round after a target-only
+    round (its one input token and position); with `speculative`, also a greedy chained-draft round after one of
+    the same settings (its position, the MTP head's pending rows and their tokens: the accepted ones), where
+    `after` cannot be cut by the budget. Either way with room for it in the budget and the context. Other
+    speculative rounds cannot: a host draft or a drafter decides on the host, a sampled one's draws and an
+    adaptive depth's next choice depend on the round before."""
+    if not isinstance(after, LaunchedRound):
+        return False
+    resolve(state, after)
+    if after.kind == "target" and not settings.speculative:
+        return after.budget > 1 and after.n + 1 < state.max_context
     return (
-        isinstance(after, LaunchedRound)
-        and after.width == 1
-        and not after.settings.speculative
-        and not settings.speculative
-        and after.budget > 1
-        and after.n + 1 < state.max_context
+        speculative
+        and after.kind == "chain"
+        and settings == after.settings
+        and after.width == settings.draft_depth + 1
+        and after.budget > after.width
+        and after.n + 2 * after.width + settings.draft_depth + 2 <= state.max_context
     )
 
 
@@ -418,6 +451,20 @@ def _advance(state: SessionState) -> None:
     verify's input), so nothing waits for the host between the two."""
     state.stage_dev[0:3:2].add_(1)
     state.ids_buf[:1].copy_(state.out_buf[2:3])
+
+
+def _advance_chain(state: SessionState, width: int) -> None:
+    """The same for a chained-draft round after one of `width` verify rows, from its acceptance (out_buf: e
+    tokens, then the tokens) and cache_len_buf: what _stage writes once it is read. The target length is the
+    cache length; the MTP head's first pending row is the round's start (it caught up to there); its pending rows
+    are the e accepted tokens, the last of them the verify's input. The catch-up reads `width` token slots; past
+    the e real ones they hold earlier rounds' tokens (valid ids, in rows the causal mask keeps out)."""
+    st, out = state.stage_dev, state.out_buf
+    st[1:2].copy_(st[0:1])
+    st[0:1].copy_(state.cache_len_buf)
+    torch.sub(out[0:1], 1, out=st[2:3])
+    torch.gather(out, 0, out[0:1] + 1, out=state.ids_buf[:1])
+    state.mtp_tok_buf[:width].copy_(out[2 : 2 + width])
 
 
 def launch_round(
@@ -442,10 +489,10 @@ def launch_round(
     `behind`: a round queued and not read yet (`can_pipeline` must hold): this round is queued behind it with
     its inputs taken from its results on the device, so the device goes from one to the other without waiting for
     the host. It is this round's caller's to finish `behind` first, then this one (or abandon_round it, if
-    `behind` turned out to be the run's last: an end of text). `budget` is then the tokens allowed after
-    `behind`'s one."""
-    if behind is not None and not can_pipeline(state, settings, behind):
-        raise ValueError("behind: only a target-only round after a target-only round with budget left")
+    `behind` turned out to be the run's last: an end of text). `budget` is then unused: what `behind` leaves
+    (after a speculative `behind`, known once it is read: resolve)."""
+    if behind is not None and not can_pipeline(state, settings, behind, speculative=settings.speculative):
+        raise ValueError("behind: a round can_pipeline does not allow behind this one")
     check_fits(model, settings)
     check_synthetic(settings, sampling)
     sp = active(sampling)
@@ -454,9 +501,18 @@ def launch_round(
     if bufs is not None:
         bufs.set_seed(sp.seed)
     vq = vocab  # the width of the draft's q rows the verify reads (sampling)
-    n = len(state.tokens) if behind is None else behind.n + 1
-    if behind is None and state.target_len != n - 1:
-        refill(model, state)
+    chain_behind = behind is not None and settings.speculative
+    if behind is None:
+        n = len(state.tokens)
+        if state.target_len != n - 1:
+            refill(model, state)
+    elif chain_behind:
+        # n is behind's tokens plus what it accepts: the device's to know until behind is read. Every use of n
+        # below is for the depth's room (can_pipeline checked it for the most behind can accept) and for host
+        # staging, which _advance_chain replaces.
+        n, budget = behind.n + behind.width, None
+    else:
+        n, budget = behind.n + 1, behind.budget - 1
     model.configure(settings)
     hits0, misses0, cap0 = plans.counters()
     pool = settings.plan_pool
@@ -468,19 +524,26 @@ def launch_round(
     # tokens past the budget are simply not emitted.
     depth = max(0, min(settings.draft_depth, state.max_context - n)) if settings.speculative else 0
     first = state.mtp_len
-    width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1
+    width_mtp = n - 1 - first  # pending MTP rows, the last of which is draft step 1 (behind a round: the most)
     use_mtp = drafter is None and model.has_mtp and depth > 0 and width_mtp > 0
-    staged = [n - 1, first, width_mtp - 1, state.tokens[-1]]
-    if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
-        staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
     if behind is None:
+        staged = [n - 1, first, width_mtp - 1, state.tokens[-1]]
+        if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
+            staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
         _stage(state, staged)
+    elif chain_behind:
+        if first != behind.n - 1:
+            raise RuntimeError(
+                f"launch_round: the MTP head is at row {first}, not where behind starts ({behind.n - 1})"
+            )
+        _advance_chain(state, behind.width)
     else:
         _advance(state)
 
     n_drafts = depth
     p_min = settings.p_min
     remapped = False
+    chain_kind = False
     if drafter is not None:
         proposal = list(drafter(list(state.tokens), depth))[:depth]
         n_drafts = len(proposal)
@@ -510,6 +573,8 @@ def launch_round(
         sub = settings.sub_vocab
         remapped = model.draft_ids(sub) is not None
         rows, steps = _catch_up_rows(state, first, width_mtp, depth)
+        # a round a chained draft can be pipelined behind: its plan's shape is its depth's (not its pending rows')
+        chain_kind = rows == depth + 1 and steps == depth and rows <= MAX_CAPTURED_CATCHUP
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", rows, steps, sub, *model.plan_tag),
@@ -524,7 +589,7 @@ def launch_round(
     else:
         n_drafts = _draft_host(model, state, width_mtp, depth, p_min)
         p_min = 0.0
-    if use_mtp:
+    if use_mtp and not chain_behind:  # behind a round: once n is known (finish_round)
         state.mtp_len = n - 1
     clock.mark()
     if is_cancelled():
@@ -571,7 +636,7 @@ def launch_round(
         settings=settings,
         budget=budget,
         eos_ids=eos_ids,
-        n=n,
+        n=None if chain_behind else n,
         width=width,
         clock=clock,
         counters=(hits0, misses0, cap0),
@@ -582,6 +647,8 @@ def launch_round(
         out_host=out_host,
         out_slot=slot,
         pipelined=behind is not None,
+        kind="target" if width == 1 and not settings.speculative else "chain" if chain_kind else "",
+        behind=behind if chain_behind else None,
     )
 
 
@@ -595,6 +662,7 @@ def finish_round(
     """Wait for a launched round (the round's one device-to-host synchronisation), read what it emitted and
     bring the host state up to it. `while_waiting()`: host work for later (no device work), run just before
     the host waits, so that it overlaps the device's work instead of following it."""
+    resolve(state, launched)  # queued behind a speculative round, now read: its tokens are the host's
     n, width, clock = launched.n, launched.width, launched.clock
     hits0, misses0, cap0 = launched.counters
     out_host = launched.out_host
@@ -610,6 +678,7 @@ def finish_round(
     t_read = time.perf_counter()
 
     e, n_valid = got[0], got[1]
+    launched.emitted_on_device, launched.read = e, True
     emitted = got[2 : 2 + e]
     from_draft = [True] * (e - 1) + [False]
     hit_eos = False
@@ -652,7 +721,12 @@ def abandon_round(model: DecodeModel, state: SessionState, plans: PlanPool, laun
     take the host state back to before it. Its tokens are not committed; the planes it wrote are marked
     unused, so a later rollback never takes one of them for a position it no longer holds. Where the host state
     is no longer the one it was queued on (a round queued behind one whose read failed, and the session's
-    computed state forgotten since), it is only waited for."""
+    computed state forgotten since), it is only waited for. A speculative round queued behind one that the host
+    then cut (an end of text, the budget) started where the device put it, past the host's tokens: see
+    _abandon_behind."""
+    if launched.n is None:
+        _abandon_behind(model, state, launched)
+        return
     if state.target_len != launched.n - 1 or len(state.tokens) != launched.n:
         if model.device.type == "cuda":
             model.sync(launched.clock.marks[-1])
@@ -662,3 +736,31 @@ def abandon_round(model: DecodeModel, state: SessionState, plans: PlanPool, laun
     del state.tokens[n:]
     if not state.rollback(n - 1):
         refill(model, state)
+
+
+def _abandon_behind(model: DecodeModel, state: SessionState, launched: LaunchedRound) -> None:
+    """Drop a speculative round queued behind another (launch_round's `behind`), that one read: wait for it, then
+    undo its marks on the host. It ran from the position the device's acceptance gave (behind's start plus every
+    token the device accepted, which may pass where the host cut the run) and wrote the recurrent planes of the
+    positions after it: those slots are marked unused. Its KV entries, MTP rows and hidden rows all lie at or past
+    the host's target length, rewritten before anything reads them. If the plane of the host's target length was
+    one of those slots, the target goes back to the latest position whose plane is intact and the tokens from there
+    are fed again (a full refill only where none is)."""
+    b = launched.behind
+    if model.device.type == "cuda":
+        model.sync(launched.clock.marks[-1])
+    if b is None or b.n is None:
+        return  # behind's read failed and the session's computed state was forgotten: nothing to undo
+    launched.behind = None
+    start = b.n - 1 + b.emitted_on_device
+    for p in range(start + 1, start + launched.width + 1):
+        state.plane_pos[p % state.n_planes] = -1
+    target = state.target_len
+    if state.can_rollback(target):
+        return
+    q = next((q for q in range(target - 1, max(-1, target - state.n_planes), -1) if state.can_rollback(q)), None)
+    if q is None:
+        refill(model, state)
+        return
+    state.rollback(q)
+    prefill(model, state)

@@ -232,7 +232,8 @@ def test_a_sub_vocab_order_in_graphs_with_one_sync(cuda_engines):
 
 def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
     """Engine.overlap_rounds on a GPU (fp32): target-only, depth 5 chain and auto give the same tokens with the
-    next round queued ahead as without, on every workload."""
+    next round queued ahead as without, on every workload; and with pipeline_rounds "all" (chained rounds queued
+    before the one ahead is read, their inputs taken on the device) the same tokens and acceptance."""
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
     was = eng.overlap_rounds
     try:
@@ -244,11 +245,18 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines):
                 EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True),
             ):
                 eng.overlap_rounds = False
-                want = eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens
+                plain = eng.generate(prompt, N_NEW, settings, eng.new_session())
+                want = plain.tokens
                 eng.overlap_rounds = True
                 assert eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens == want, (name, settings)
+                eng.pipeline_rounds = "all"
+                got = eng.generate(prompt, N_NEW, settings, eng.new_session())
+                eng.pipeline_rounds = None
+                assert got.tokens == want and got.stats["accepted"] == plain.stats["accepted"], (name, settings)
+                assert (got.stats["pipelined_rounds"] > 0) == (not settings.adaptive), (name, settings)
     finally:
         eng.overlap_rounds = was
+        eng.pipeline_rounds = None
 
 
 def test_a_target_only_token_spends_no_launch_on_bookkeeping(cuda_engines):

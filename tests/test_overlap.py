@@ -226,3 +226,115 @@ def test_pipelining_can_be_turned_off_keeping_the_overlap(bundled, code, monkeyp
     monkeypatch.setattr(bundled, "pipeline_rounds", False)
     res = bundled.generate(code, 20, EngineSettings(speculative=False), bundled.new_session())
     assert res.stats["pipelined_rounds"] == 0 and res.tokens == _plain(bundled, code, 20).tokens
+
+
+# ---- pipelined speculative rounds (Engine.pipeline_rounds = "all"): a chained-draft round queued behind the one
+# before it, its position, MTP rows and their tokens taken from that round's acceptance on the device ----
+
+
+@pytest.fixture
+def pipelined_all(bundled, monkeypatch):
+    monkeypatch.setattr(bundled, "pipeline_rounds", "all")
+    return bundled
+
+
+@pytest.mark.parametrize("depth", [1, 3, 5, 8])
+def test_speculative_rounds_pipelined_give_greedy_tokens(pipelined_all, code, depth):
+    settings = EngineSettings(draft_depth=depth, chain=True)
+    want = _plain(pipelined_all, code, 60).tokens
+    unpipelined = _plain(pipelined_all, code, 60, settings)
+    sess = pipelined_all.new_session()
+    events = list(pipelined_all.stream(code, 60, settings, sess))
+    assert [t for ev in events for t in ev.tokens] == want == unpipelined.tokens
+    # the same drafts round by round as drafted from the host's staging (a wrong MTP input would only lose speed)
+    assert events[-1].run["accepted"] == unpipelined.stats["accepted"] > 0
+    assert events[-1].run["per_position_acceptance"] == unpipelined.stats["per_position_acceptance"]
+    pipelined = [ev.pipelined for ev in events]
+    assert not pipelined[0] and all(pipelined[1:-3])  # past the first, all but the budget's last few
+    assert events[-1].run["generated"] == 60 and sess.tokens == code + want
+
+
+def test_speculative_pipelining_is_off_by_default(bundled, code):
+    res = bundled.generate(code, 40, EngineSettings(draft_depth=3, chain=True), bundled.new_session())
+    assert res.stats["pipelined_rounds"] == 0
+
+
+@pytest.mark.parametrize("depth", [8, 16])
+def test_an_end_of_text_inside_a_pipelined_speculative_round_leaves_a_session_that_continues_greedily(
+    pipelined_all, code, monkeypatch, depth
+):
+    """The round queued behind the one whose acceptance holds an end of text ran from the position the device
+    gave it, past the host's cut: dropped, its recurrent planes unmarked, and where it overwrote the plane of
+    the position the host keeps, the target is fed again from the latest intact one. At every cut position and
+    at depths 8 and the deepest, 16 (whose planes wrap past the kept one: 18 planes for 17 verify rows), the session
+    then continues exactly as greedy decoding."""
+    from engine import spec
+
+    settings = EngineSettings(draft_depth=depth, chain=True)
+    want = _plain(pipelined_all, code, 48).tokens
+    fed_again = []
+    real_prefill = spec.prefill
+    monkeypatch.setattr(spec, "prefill", lambda *a, **kw: fed_again.append(1) or real_prefill(*a, **kw))
+    for cut in range(4, 30):
+        eos = want[cut]
+        first = want.index(eos)
+        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
+        sess = pipelined_all.new_session()
+        res = pipelined_all.generate(code, 48, settings, sess)
+        assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
+        pipelined_all.tokenizer.eos_token_ids = frozenset()
+        more = pipelined_all.generate(sess.tokens, 48 - first - 1, settings, sess).tokens
+        assert want[: first + 1] + more == want, cut
+    assert bool(fed_again) == (depth == 16)  # at 16 a cut overwrote the kept position's plane: the recovery ran
+
+
+def test_a_stream_dropped_with_a_pipelined_speculative_round_queued(pipelined_all, code):
+    settings = EngineSettings(draft_depth=4, chain=True)
+    want = _plain(pipelined_all, code, 50).tokens
+    sess = pipelined_all.new_session()
+    it = pipelined_all.stream(code, 50, settings, sess)
+    seen = []
+    for _ in range(4):
+        ev = next(it)
+        seen += ev.tokens
+    assert ev.pipelined
+    it.close()
+    assert sess.tokens == code + seen
+    assert seen + pipelined_all.generate(sess.tokens, 50 - len(seen), settings, sess).tokens == want
+
+
+def test_settings_changed_mid_run_stop_speculative_pipelining_and_keep_greedy_tokens(pipelined_all, code):
+    want = _plain(pipelined_all, code, 60).tokens
+    sess = pipelined_all.new_session()
+    events = []
+    for ev in pipelined_all.stream(code, 60, EngineSettings(draft_depth=3, chain=True), sess):
+        events.append(ev)
+        if len(events) == 3:
+            sess.settings = EngineSettings(draft_depth=5, chain=True)
+        if len(events) == 8:
+            sess.settings = EngineSettings(speculative=False)
+    assert [t for ev in events for t in ev.tokens] == want
+    assert events[4].depth == 5 and not events[4].pipelined  # the first round of the new depth: from the host
+    assert any(ev.pipelined and ev.depth == 5 for ev in events)
+    assert sess.tokens == code + want
+
+
+def test_adaptive_depth_and_sampling_are_not_pipelined(pipelined_all, code):
+    """An adaptive depth chooses from the round before, a sampled draft's acceptance draws from the host's seed
+    per round: neither is queued behind a round not read (same tokens as without overlap)."""
+    auto = EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True)
+    res = pipelined_all.generate(code, 40, auto, pipelined_all.new_session())
+    assert res.stats["pipelined_rounds"] == 0 and res.tokens == _plain(pipelined_all, code, 40).tokens
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    spec = EngineSettings(draft_depth=3, chain=True)
+    got = pipelined_all.generate(code, 40, spec, pipelined_all.new_session(), sampling=sampling)
+    assert got.stats["pipelined_rounds"] == 0
+    assert got.tokens == _plain(pipelined_all, code, 40, spec, sampling).tokens
+
+
+def test_synthetic_acceptance_pipelined_draws_as_without(pipelined_all, code):
+    settings = EngineSettings(draft_depth=3, chain=True, synthetic_rates=(0.8, 0.6, 0.4))
+    want = _plain(pipelined_all, code, 40, settings)
+    got = pipelined_all.generate(code, 40, settings, pipelined_all.new_session())
+    assert got.tokens == want.tokens and got.stats["accepted"] == want.stats["accepted"]
+    assert got.stats["pipelined_rounds"] > 0
