@@ -652,6 +652,13 @@ def launch_round(
     )
 
 
+def _wait(model: DecodeModel, launched: LaunchedRound) -> None:
+    """Wait for a launched round's results on the host: its last clock event, recorded after their copy (a round
+    queued behind it keeps running). Nothing on the CPU, where the work is done when it is queued."""
+    if model.device.type == "cuda":
+        model.sync(launched.clock.marks[-1])
+
+
 def finish_round(
     model: DecodeModel,
     state: SessionState,
@@ -671,8 +678,7 @@ def finish_round(
     if while_waiting is not None:
         while_waiting()
     with allowed_sync(model.device):  # the round's one device-to-host synchronisation
-        if model.device.type == "cuda":
-            model.sync(clock.marks[-1])  # this round's copy only: a round queued behind it keeps running
+        _wait(model, launched)
     t_synced = time.perf_counter()
     got = out_host.tolist()
     t_read = time.perf_counter()
@@ -728,8 +734,7 @@ def abandon_round(model: DecodeModel, state: SessionState, plans: PlanPool, laun
         _abandon_behind(model, state, launched)
         return
     if state.target_len != launched.n - 1 or len(state.tokens) != launched.n:
-        if model.device.type == "cuda":
-            model.sync(launched.clock.marks[-1])
+        _wait(model, launched)
         return
     finish_round(model, state, plans, launched)
     n = launched.n
@@ -747,9 +752,8 @@ def _abandon_behind(model: DecodeModel, state: SessionState, launched: LaunchedR
     one of those slots, the target goes back to the latest position whose plane is intact and the tokens from there
     are fed again (a full refill only where none is)."""
     b = launched.behind
-    if model.device.type == "cuda":
-        model.sync(launched.clock.marks[-1])
-    if b is None or b.n is None:
+    _wait(model, launched)
+    if b is None or not b.read:
         return  # behind's read failed and the session's computed state was forgotten: nothing to undo
     launched.behind = None
     start = b.n - 1 + b.emitted_on_device
