@@ -19,9 +19,9 @@ s     sampling (issue 17): speculative sampling vs target-only sampling at the s
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
 overlap  rounds queued ahead (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this
-      one is read, and rounds pipelined (queued before the one ahead is read; "all": target-only and greedy
-      chained drafts of a static depth): bundled target-only /
-      depth 5 chain / auto, 9B-like target-only (gemm auto); whether the tokens are the same
+      one is read, and rounds pipelined (queued before the one ahead is read: target-only and greedy chained
+      drafts, static or adaptive depth): bundled target-only / depth 5 chain / auto, 9B-like target-only and
+      depth 3 with synthetic acceptance (gemm auto); whether the tokens are the same
 """
 
 from __future__ import annotations
@@ -630,16 +630,16 @@ def section_auto(eng: Engine, n: int, reps: int = 7) -> None:
 
 def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     """Overlapped rounds (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this one
-    is read (before its event is handed over), and a target-only round queued before the one ahead of it is read
-    (pipelined, its input taken on the device); interleaved passes on one session a cell, the bundled model
-    (target-only, depth 5 chain, auto) and the 9B-like model (target-only); and whether the tokens are the same."""
-    say(f"== (overlap) rounds queued ahead: off / after the read / pipelined (target-only), median of {reps} ==")
-    # pipelined: pipeline_rounds "all", so the speculative cells' greedy chained rounds are pipelined too
+    is read (before its event is handed over), and a round queued before the one ahead of it is read (pipelined,
+    its inputs taken on the device); interleaved passes on one session a cell, the bundled model (target-only,
+    depth 5 chain, auto) and the 9B-like model (target-only, depth 3 synthetic); and whether the tokens are the
+    same."""
+    say(f"== (overlap) rounds queued ahead: off / after the read / pipelined, median of {reps} ==")
     modes = {"off": (False, False), "queued": (True, False), "pipelined": (True, "all")}
 
     def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
         was, texts = (eng.overlap_rounds, eng.pipeline_rounds), {}
-        cells = {m: settings for m in modes if settings.adaptive is False or m != "pipelined"}
+        cells = dict.fromkeys(modes, settings)
 
         def before(mode):
             eng.overlap_rounds, eng.pipeline_rounds = modes[mode]
@@ -655,7 +655,9 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
         if "pipelined" in cells:
             ratios += f"  pipelined/queued {med['pipelined'] / med['queued']:5.3f}x"
         same = all(texts[m] == texts["off"] for m in cells)
-        say(f"{label:<24} {cols} t/s  {ratios}; same tokens: {same}")
+        piped = runs["pipelined"][-1]
+        share = f"{piped['pipelined_rounds']}/{piped['rounds']}"
+        say(f"{label:<26} {cols} t/s  {ratios}; rounds pipelined {share}; same tokens: {same}")
 
     eng = Engine.load(model_dir, device="cuda", dtype="bfloat16")
     prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
@@ -668,10 +670,13 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     eng.close()
     del eng
     torch.cuda.empty_cache()
-    eng = random_9b_engine()
+    eng = random_9b_engine(mtp=True)  # a draft head for the speculative cell (target-only rounds never run it)
     with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
         eng.model.set_gemm("auto", cache_dir=cache)
-    measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), list(range(100, 164)), 256)
+    prompt = list(range(100, 164))
+    measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), prompt, 256)
+    synthetic = EngineSettings(draft_depth=3, chain=True, plan_pool=16, synthetic_rates=QWEN3_NEXT_RATES)
+    measure(eng, "9B-like depth 3 synthetic", synthetic, prompt, 256)
     eng.close()
     say()
 

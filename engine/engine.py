@@ -226,10 +226,10 @@ class Engine:
         # (the tests run it on the CPU; `bench/gpu_bench.py --sections overlap` compares the two: on the H200
         # 1.11x target-only and 1.16x auto on the bundled model, bench/results/h200-overlap-2026-12-01.txt).
         self.overlap_rounds: bool | None = None
-        # Where rounds overlap on one device, a target-only round is queued behind the one before it before that
-        # one is read (see _run: pipelined rounds): None / True = so, False = queued only after the read (the
-        # overlap alone; `bench/gpu_bench.py --sections overlap` compares them); "all": greedy chained-draft rounds
-        # of a static depth too (spec.can_pipeline; tested on the CPU, not yet measured on a GPU, so not default).
+        # Where rounds overlap on one device, a round is queued behind the one before it before that one is read
+        # (see _run: pipelined rounds): None / True / "all" = target-only rounds and greedy chained-draft rounds
+        # (static or adaptive depth; spec.can_pipeline); "target" = target-only rounds only; False = queued only
+        # after the read (the overlap alone; `bench/gpu_bench.py --sections overlap` compares them).
         self.pipeline_rounds: bool | str | None = None
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
@@ -796,18 +796,20 @@ class Engine:
             # The next round's settings are therefore read one event earlier: a change or cancel made while
             # handling an event takes effect a round later than without overlap (the round already queued is
             # finished and emitted as usual).
-            # Pipelined (overlap on one device, target-only after target-only): the next round is queued before this
-            # one is even read, its input token and position taken from this round's results on the device
-            # (spec.can_pipeline), so the device runs from round to round without waiting for the host's read, its
-            # bookkeeping and the next launch (on the H200 ~0.3 ms a 9B-like token). Its settings are read at the
+            # Pipelined (overlap on one device; target-only after target-only, greedy chained drafts after greedy
+            # chained drafts): the next round is queued before this one is even read, its inputs (token, position,
+            # the draft head's pending rows) taken from this round's results on the device (spec.can_pipeline), so
+            # the device runs from round to round without waiting for the host's read, its bookkeeping and the next
+            # launch (on the H200 ~0.3 ms a 9B-like token). Its settings are read at the
             # same boundary as with overlap alone (after the previous event was handed over); a round queued behind
             # the run's last one (an end of text) is abandoned before the last event goes out.
             overlap = leader and (
                 self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
             )
             pipeline = overlap and self.pipeline_rounds is not False and self.cluster is None and drafter is None
-            # speculative rounds too (pipeline_rounds "all"): greedy chained drafts of one static depth
-            pipe_spec = pipeline and self.pipeline_rounds == "all" and sampling is None
+            # speculative rounds too (not pipeline_rounds "target"): greedy chained drafts. An adaptive depth then
+            # chooses a round's depth before the round ahead of it is read, from the rounds before that one.
+            pipe_spec = pipeline and self.pipeline_rounds != "target" and sampling is None
             pending = None  # (launched round, its settings) queued ahead of this round's event
             held = None  # settings read for the next round to pipeline that could not be pipelined
             stop_with = None  # settings of a cancel found while queueing ahead: the run ends after this event
@@ -839,8 +841,7 @@ class Engine:
                 if cancelled:
                     stop_with = nxt
                     return
-                spec = pipe_spec and rounds.controller is None  # an adaptive depth decides from the round before
-                if after is not None and not can_pipeline(state, nxt, after, speculative=spec):
+                if after is not None and not can_pipeline(state, nxt, after, speculative=pipe_spec):
                     held = nxt
                     return
                 try:  # a failure here is the next round's: this round's event goes out first
@@ -867,7 +868,7 @@ class Engine:
                         pipeline
                         and stop_with is None
                         and failed is None
-                        and can_pipeline(state, settings, launched, speculative=pipe_spec and rounds.controller is None)
+                        and can_pipeline(state, settings, launched, speculative=pipe_spec)
                     ):
                         queue_ahead(after=launched)
                     with self._run_failures(state), torch.inference_mode():

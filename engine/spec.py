@@ -30,6 +30,7 @@ hash of (seed_buf, start_buf, slot, purpose), so graphs replay without the host.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -426,23 +427,30 @@ def can_pipeline(
     """Whether the round after `after` (queued, not read yet) can be queued before `after` is read, its inputs
     taken from `after`'s results on the device (launch_round's `behind`): a target-only round after a target-only
     round (its one input token and position); with `speculative`, also a greedy chained-draft round after one of
-    the same settings (its position, the MTP head's pending rows and their tokens: the accepted ones), where
-    `after` cannot be cut by the budget. Either way with room for it in the budget and the context. Other
-    speculative rounds cannot: a host draft or a drafter decides on the host, a sampled one's draws and an
-    adaptive depth's next choice depend on the round before."""
+    the same settings but perhaps another depth (an adaptive depth's choice, a change made between rounds): its
+    position, the MTP head's pending rows and their tokens (the accepted ones), where `after` cannot be cut by the
+    budget. Either way with room for it in the budget and the context. Other speculative rounds cannot: a host
+    draft or a drafter decides on the host, a sampled one's draws depend on the round before."""
     if not isinstance(after, LaunchedRound):
         return False
     resolve(state, after)
     if after.kind == "target" and not settings.speculative:
         return after.budget > 1 and after.n + 1 < state.max_context
-    return (
-        speculative
-        and after.kind == "chain"
-        and settings == after.settings
-        and after.width == settings.draft_depth + 1
-        and after.budget > after.width
-        and after.n + 2 * after.width + settings.draft_depth + 2 <= state.max_context
-    )
+    if not (speculative and after.kind == "chain" and settings.speculative and after.budget > after.width):
+        return False
+    if not _same_but_depth(settings, after.settings):
+        return False
+    # the catch-up covers after's verify rows, or the new depth's plan rows where it is deeper (_catch_up_rows);
+    # with its steps and the verify from the furthest start after can accept, inside the context
+    rows = max(after.width, settings.draft_depth + 1)
+    return after.n + 2 * rows + settings.draft_depth + 2 <= state.max_context
+
+
+_BUT_DEPTH = tuple(f.name for f in dataclasses.fields(EngineSettings) if f.name != "draft_depth")
+
+
+def _same_but_depth(a: EngineSettings, b: EngineSettings) -> bool:
+    return a is b or a == b or all(getattr(a, f) == getattr(b, f) for f in _BUT_DEPTH)
 
 
 def _advance(state: SessionState) -> None:
@@ -573,8 +581,9 @@ def launch_round(
         sub = settings.sub_vocab
         remapped = model.draft_ids(sub) is not None
         rows, steps = _catch_up_rows(state, first, width_mtp, depth)
-        # a round a chained draft can be pipelined behind: its plan's shape is its depth's (not its pending rows')
-        chain_kind = rows == depth + 1 and steps == depth and rows <= MAX_CAPTURED_CATCHUP
+        # a round a chained draft can be pipelined behind: a captured plan of a depth's shape (rows the most of
+        # its pending rows and depth + 1, a step a row after the first), not the exact shape near the context's end
+        chain_kind = rows == max(width_mtp, depth + 1) and steps == rows - 1 and rows <= MAX_CAPTURED_CATCHUP
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", rows, steps, sub, *model.plan_tag),

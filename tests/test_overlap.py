@@ -195,10 +195,11 @@ def test_a_stream_dropped_with_a_pipelined_round_queued_leaves_the_session_as_ha
     assert seen + bundled.generate(sess.tokens, 24, EngineSettings(speculative=False), sess).tokens == want
 
 
-def test_switching_to_speculative_stops_pipelining_and_keeps_greedy_tokens(bundled, code):
+def test_switching_to_speculative_keeps_greedy_tokens_and_pipelines_again_from_its_second_round(bundled, code):
     """A change to speculative settings made while handling an event: the round already queued (pipelined) is
-    emitted, the speculative rounds after it are queued only once the round before is read, and the text is
-    still greedy's."""
+    emitted, the first speculative round is queued once the round before is read (a target-only round leaves the
+    draft head's rows to catch up from the host), the ones after it are pipelined again, and the text is still
+    greedy's."""
     want = _plain(bundled, code, 40).tokens
     sess = bundled.new_session()
     events = []
@@ -208,7 +209,8 @@ def test_switching_to_speculative_stops_pipelining_and_keeps_greedy_tokens(bundl
             sess.settings = EngineSettings(draft_depth=3, chain=True)
     assert [t for ev in events for t in ev.tokens] == want
     assert [ev.pipelined for ev in events[:5]] == [False, True, True, True, True]
-    assert events[5].depth == 3 and not any(ev.pipelined for ev in events[5:])
+    assert events[5].depth == 3 and not events[5].pipelined
+    assert events[6].pipelined and events[-1].run["pipelined_rounds"] >= len(events) - 4
     assert sess.tokens == code + want
 
 
@@ -228,8 +230,9 @@ def test_pipelining_can_be_turned_off_keeping_the_overlap(bundled, code, monkeyp
     assert res.stats["pipelined_rounds"] == 0 and res.tokens == _plain(bundled, code, 20).tokens
 
 
-# ---- pipelined speculative rounds (Engine.pipeline_rounds = "all"): a chained-draft round queued behind the one
-# before it, its position, MTP rows and their tokens taken from that round's acceptance on the device ----
+# ---- pipelined speculative rounds (Engine.pipeline_rounds None, the default, or "all"): a chained-draft round
+# queued behind the one before it, its position, MTP rows and their tokens taken from that round's acceptance on
+# the device ----
 
 
 @pytest.fixture
@@ -254,9 +257,16 @@ def test_speculative_rounds_pipelined_give_greedy_tokens(pipelined_all, code, de
     assert events[-1].run["generated"] == 60 and sess.tokens == code + want
 
 
-def test_speculative_pipelining_is_off_by_default(bundled, code):
-    res = bundled.generate(code, 40, EngineSettings(draft_depth=3, chain=True), bundled.new_session())
-    assert res.stats["pipelined_rounds"] == 0
+def test_speculative_rounds_are_pipelined_by_default_and_target_keeps_it_to_target_only(bundled, code, monkeypatch):
+    settings = EngineSettings(draft_depth=3, chain=True)
+    assert bundled.pipeline_rounds is None
+    res = bundled.generate(code, 40, settings, bundled.new_session())
+    assert res.stats["pipelined_rounds"] >= res.stats["rounds"] - 4 > 0
+    monkeypatch.setattr(bundled, "pipeline_rounds", "target")
+    only = bundled.generate(code, 40, settings, bundled.new_session())
+    assert only.stats["pipelined_rounds"] == 0 and only.tokens == res.tokens
+    target = bundled.generate(code, 20, EngineSettings(speculative=False), bundled.new_session())
+    assert target.stats["pipelined_rounds"] == 19
 
 
 @pytest.mark.parametrize("depth", [8, 16])
@@ -303,7 +313,7 @@ def test_a_stream_dropped_with_a_pipelined_speculative_round_queued(pipelined_al
     assert seen + pipelined_all.generate(sess.tokens, 50 - len(seen), settings, sess).tokens == want
 
 
-def test_settings_changed_mid_run_stop_speculative_pipelining_and_keep_greedy_tokens(pipelined_all, code):
+def test_settings_changed_mid_run_keep_greedy_tokens(pipelined_all, code):
     want = _plain(pipelined_all, code, 60).tokens
     sess = pipelined_all.new_session()
     events = []
@@ -314,22 +324,90 @@ def test_settings_changed_mid_run_stop_speculative_pipelining_and_keep_greedy_to
         if len(events) == 8:
             sess.settings = EngineSettings(speculative=False)
     assert [t for ev in events for t in ev.tokens] == want
-    assert events[4].depth == 5 and not events[4].pipelined  # the first round of the new depth: from the host
-    assert any(ev.pipelined and ev.depth == 5 for ev in events)
+    assert events[4].depth == 5 and events[4].pipelined  # a new depth, queued behind the round of the old one
+    target = next(i for i, ev in enumerate(events) if ev.depth == 0)
+    assert not events[target].pipelined and events[target + 1].pipelined  # target-only: from the host, then on
     assert sess.tokens == code + want
 
 
-def test_adaptive_depth_and_sampling_are_not_pipelined(pipelined_all, code):
-    """An adaptive depth chooses from the round before, a sampled draft's acceptance draws from the host's seed
-    per round: neither is queued behind a round not read (same tokens as without overlap)."""
-    auto = EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True)
-    res = pipelined_all.generate(code, 40, auto, pipelined_all.new_session())
-    assert res.stats["pipelined_rounds"] == 0 and res.tokens == _plain(pipelined_all, code, 40).tokens
+def test_sampled_speculative_rounds_are_not_pipelined(pipelined_all, code):
+    """A sampled draft's acceptance draws from the host's seed per round: not queued behind a round not read
+    (same tokens as without overlap)."""
     sampling = SamplingParams(temperature=0.8, seed=5)
     spec = EngineSettings(draft_depth=3, chain=True)
     got = pipelined_all.generate(code, 40, spec, pipelined_all.new_session(), sampling=sampling)
     assert got.stats["pipelined_rounds"] == 0
     assert got.tokens == _plain(pipelined_all, code, 40, spec, sampling).tokens
+
+
+def test_adaptive_depth_is_pipelined_and_gives_greedy_tokens(pipelined_all, code):
+    """An adaptive depth chooses each round's depth before the round ahead of it is read (from the rounds before
+    that one); rounds of a new depth are queued behind the old one's like any other."""
+    auto = EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True)
+    sess = pipelined_all.new_session()
+    events = list(pipelined_all.stream(code, 80, auto, sess))
+    assert [t for ev in events for t in ev.tokens] == _plain(pipelined_all, code, 80).tokens
+    depths = [ev.depth for ev in events]
+    changes = [i for i in range(1, len(events)) if depths[i] != depths[i - 1]]
+    assert len(set(depths)) >= 3 and any(events[i].pipelined for i in changes)  # its sweep of the depths
+    assert events[-1].run["pipelined_rounds"] >= len(events) // 2
+
+
+# A depth for every round, shallower and deeper by turns (up to the deepest: planes wrap past the kept position)
+DEPTHS = (3, 5, 2, 8, 1, 4, 4, 7, 16, 2, 6, 1, 16, 16, 9, 3)
+
+
+@pytest.fixture
+def depth_pattern(monkeypatch):
+    """Adaptive rounds whose depths are DEPTHS in turn (one choice a round, pipelined or not, so an unpipelined
+    run of the same settings drafts at the same depth round by round)."""
+    from engine import adaptive
+
+    calls = []
+
+    def choose(self):
+        calls.append(1)
+        self.last_choice = min(DEPTHS[(len(calls) - 1) % len(DEPTHS)], self.max_depth)
+        return self.last_choice
+
+    monkeypatch.setattr(adaptive.DepthController, "choose", choose)
+    return calls
+
+
+def test_pipelined_rounds_of_changing_depths_draft_and_accept_as_unpipelined_ones(pipelined_all, code, depth_pattern):
+    auto = EngineSettings(draft_depth="auto", max_draft_depth=16, chain=True)
+    want = _plain(pipelined_all, code, 160).tokens
+    depth_pattern.clear()
+    unpipelined = _plain(pipelined_all, code, 160, auto)
+    depth_pattern.clear()
+    sess = pipelined_all.new_session()
+    events = list(pipelined_all.stream(code, 160, auto, sess))
+    assert [t for ev in events for t in ev.tokens] == want == unpipelined.tokens
+    assert [ev.depth for ev in events] == [DEPTHS[i % len(DEPTHS)] for i in range(len(events))]
+    assert len(events) > len(DEPTHS)
+    # the same drafts round by round as from the host's staging: a wrong MTP row or token would only lose speed
+    assert events[-1].run["per_position_acceptance"] == unpipelined.stats["per_position_acceptance"]
+    assert events[-1].run["accepted"] == unpipelined.stats["accepted"] > 0
+    assert all(ev.pipelined for ev in events[1:-4])  # every depth change up or down pipelined
+    assert sess.tokens == code + want
+
+
+def test_an_end_of_text_inside_pipelined_rounds_of_changing_depths(pipelined_all, code, monkeypatch, depth_pattern):
+    """An end of text at every cut position while the depth changes round by round: the round queued behind the
+    cut one is dropped whatever its depth, and the session then continues exactly as greedy decoding."""
+    auto = EngineSettings(draft_depth="auto", max_draft_depth=16, chain=True)
+    want = _plain(pipelined_all, code, 60).tokens
+    for cut in range(3, 40):
+        eos = want[cut]
+        first = want.index(eos)
+        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
+        depth_pattern.clear()
+        sess = pipelined_all.new_session()
+        res = pipelined_all.generate(code, 60, auto, sess)
+        assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
+        pipelined_all.tokenizer.eos_token_ids = frozenset()
+        more = pipelined_all.generate(sess.tokens, 60 - first - 1, auto, sess).tokens
+        assert want[: first + 1] + more == want, cut
 
 
 def test_synthetic_acceptance_pipelined_draws_as_without(pipelined_all, code):
