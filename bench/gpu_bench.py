@@ -19,9 +19,9 @@ s     sampling (issue 17): speculative sampling vs target-only sampling at the s
       Qwen's card: 0.6 / top-k 20 / top-p 0.95), bundled model bf16, chain on, depths 3/5/8, best depth;
       mean t/s of the four workloads x 2 seeds
 overlap  rounds queued ahead (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this
-      one is read, and rounds pipelined (queued before the one ahead is read: target-only and greedy chained
-      drafts, static or adaptive depth): bundled target-only / depth 5 chain / auto, 9B-like target-only and
-      depth 3 with synthetic acceptance (gemm auto); whether the tokens are the same
+      one is read, and rounds pipelined (queued before the one ahead is read: target-only and chained drafts,
+      greedy or sampled, static or adaptive depth): bundled target-only / depth 5 chain (greedy, T 0.7) / auto,
+      9B-like target-only and depth 3 with synthetic acceptance (gemm auto); whether the tokens are the same
 """
 
 from __future__ import annotations
@@ -534,6 +534,7 @@ def interleaved(
     warm_n: int,
     before=None,
     warm_tokens: dict | None = None,
+    sampling: SamplingParams | None = None,
 ) -> dict[str, list[dict]]:
     """Run stats of `reps` timed runs per cell (label -> settings), each cell on its own session, warmed once
     (its plans captured; auto's controller makes its sweep over the depths there), then `reps` passes over all
@@ -541,13 +542,13 @@ def interleaved(
     on the machine) falls on every cell alike instead of on whichever ran last; a garbage collection before
     each timed run keeps a collector pause out of the timings. `before(label)`: called before each of the
     cell's runs (what settings cannot say, e.g. an engine attribute); `warm_tokens`: filled with each cell's
-    warm-up tokens."""
+    warm-up tokens; `sampling`: every run's (None: greedy)."""
     sessions = {}
     for label, st in cells.items():
         sessions[label] = eng.new_session()
         if before is not None:
             before(label)
-        tokens = eng.generate(prompt, warm_n, st, sessions[label]).tokens
+        tokens = eng.generate(prompt, warm_n, st, sessions[label], sampling=sampling).tokens
         if warm_tokens is not None:
             warm_tokens[label] = tokens
     labels = list(cells)
@@ -560,7 +561,7 @@ def interleaved(
             if before is not None:
                 before(label)
             gc.collect()
-            out[label].append(eng.generate(prompt, n, cells[label], sessions[label]).stats)
+            out[label].append(eng.generate(prompt, n, cells[label], sessions[label], sampling=sampling).stats)
     return out
 
 
@@ -632,19 +633,21 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     """Overlapped rounds (Engine.overlap_rounds, Engine.pipeline_rounds): off, the next round queued once this one
     is read (before its event is handed over), and a round queued before the one ahead of it is read (pipelined,
     its inputs taken on the device); interleaved passes on one session a cell, the bundled model (target-only,
-    depth 5 chain, auto) and the 9B-like model (target-only, depth 3 synthetic); and whether the tokens are the
-    same."""
+    depth 5 chain greedy and sampled at temperature 0.7, auto) and the 9B-like model (target-only, depth 3
+    synthetic); and whether the tokens are the same."""
     say(f"== (overlap) rounds queued ahead: off / after the read / pipelined, median of {reps} ==")
     modes = {"off": (False, False), "queued": (True, False), "pipelined": (True, "all")}
 
-    def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int) -> None:
+    def measure(eng: Engine, label: str, settings: EngineSettings, prompt, tokens: int, sampling=None) -> None:
         was, texts = (eng.overlap_rounds, eng.pipeline_rounds), {}
         cells = dict.fromkeys(modes, settings)
 
         def before(mode):
             eng.overlap_rounds, eng.pipeline_rounds = modes[mode]
 
-        runs = interleaved(eng, cells, prompt, tokens, reps, tokens, before=before, warm_tokens=texts)
+        runs = interleaved(
+            eng, cells, prompt, tokens, reps, tokens, before=before, warm_tokens=texts, sampling=sampling
+        )
         eng.overlap_rounds, eng.pipeline_rounds = was
         out = {m: [r["tokens_per_second"] for r in v] for m, v in runs.items()}
         med = {m: statistics.median(v) for m, v in out.items()}
@@ -667,6 +670,8 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
         ("bundled auto", EngineSettings(draft_depth="auto", max_draft_depth=8, chain=True, plan_pool=16)),
     ):
         measure(eng, label, st, prompt, n)
+    sampled = EngineSettings(draft_depth=5, chain=True, plan_pool=16)
+    measure(eng, "bundled depth 5 T 0.7", sampled, prompt, n, SamplingParams(temperature=0.7, seed=1))
     eng.close()
     del eng
     torch.cuda.empty_cache()

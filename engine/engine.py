@@ -227,9 +227,9 @@ class Engine:
         # 1.11x target-only and 1.16x auto on the bundled model, bench/results/h200-overlap-2026-12-01.txt).
         self.overlap_rounds: bool | None = None
         # Where rounds overlap on one device, a round is queued behind the one before it before that one is read
-        # (see _run: pipelined rounds): None / True / "all" = target-only rounds and greedy chained-draft rounds
-        # (static or adaptive depth; spec.can_pipeline); "target" = target-only rounds only; False = queued only
-        # after the read (the overlap alone; `bench/gpu_bench.py --sections overlap` compares them).
+        # (see _run: pipelined rounds): None / True / "all" = target-only rounds and chained-draft rounds (greedy
+        # or sampled, static or adaptive depth; spec.can_pipeline); "target" = target-only rounds only; False =
+        # queued only after the read (the overlap alone; `bench/gpu_bench.py --sections overlap` compares them).
         self.pipeline_rounds: bool | str | None = None
         # The draft's sub-vocabulary order (engine/subvocab.py): None = id order; the notice says why a model
         # folder's subvocab.json is not used.
@@ -796,8 +796,7 @@ class Engine:
             # The next round's settings are therefore read one event earlier: a change or cancel made while
             # handling an event takes effect a round later than without overlap (the round already queued is
             # finished and emitted as usual).
-            # Pipelined (overlap on one device; target-only after target-only, greedy chained drafts after greedy
-            # chained drafts): the next round is queued before this one is even read, its inputs (token, position,
+            # Pipelined (overlap on one device; target-only after target-only, chained drafts after chained drafts): the next round is queued before this one is even read, its inputs (token, position,
             # the draft head's pending rows) taken from this round's results on the device (spec.can_pipeline), so
             # the device runs from round to round without waiting for the host's read, its bookkeeping and the next
             # launch (on the H200 ~0.3 ms a 9B-like token). Its settings are read at the
@@ -807,9 +806,9 @@ class Engine:
                 self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
             )
             pipeline = overlap and self.pipeline_rounds is not False and self.cluster is None and drafter is None
-            # speculative rounds too (not pipeline_rounds "target"): greedy chained drafts. An adaptive depth then
-            # chooses a round's depth before the round ahead of it is read, from the rounds before that one.
-            pipe_spec = pipeline and self.pipeline_rounds != "target" and sampling is None
+            # speculative rounds too (not pipeline_rounds "target"): chained drafts, greedy or sampled. An adaptive
+            # depth then chooses a round's depth before the round ahead of it is read, from the rounds before it.
+            pipe_spec = pipeline and self.pipeline_rounds != "target"
             pending = None  # (launched round, its settings) queued ahead of this round's event
             held = None  # settings read for the next round to pipeline that could not be pipelined
             stop_with = None  # settings of a cancel found while queueing ahead: the run ends after this event

@@ -211,6 +211,13 @@ def _catch_up_rows(state: SessionState, first: int, pending: int, depth: int) ->
     return rows, steps
 
 
+def _pipelinable_shape(rows: int, steps: int, pending: int, depth: int) -> bool:
+    """Whether a chained draft of this shape leaves a round another can be pipelined behind: a captured plan of a
+    depth's shape (rows the most of its pending rows and depth + 1, a step a row after the first), not the exact
+    shape near the context's end."""
+    return rows == max(pending, depth + 1) and steps == rows - 1 and rows <= MAX_CAPTURED_CATCHUP
+
+
 def _draft_chain(model: DecodeModel, state: SessionState, width: int, depth: int, sub: int) -> None:
     """Catch-up rows + `depth` draft steps, argmax on the device; results in ids_buf[1:] / probs_buf."""
     y = _catch_up(model, state, width)
@@ -429,8 +436,9 @@ def can_pipeline(
     round (its one input token and position); with `speculative`, also a greedy chained-draft round after one of
     the same settings but perhaps another depth (an adaptive depth's choice, a change made between rounds): its
     position, the MTP head's pending rows and their tokens (the accepted ones), where `after` cannot be cut by the
-    budget. Either way with room for it in the budget and the context. Other speculative rounds cannot: a host
-    draft or a drafter decides on the host, a sampled one's draws depend on the round before."""
+    budget; greedy or sampled alike (a sampled round's draws are keyed by the seed and the start position, both
+    on the device). Either way with room for it in the budget and the context. Host drafts and drafters cannot:
+    they decide on the host."""
     if not isinstance(after, LaunchedRound):
         return False
     resolve(state, after)
@@ -569,6 +577,7 @@ def launch_round(
         remapped = model.draft_ids(sub) is not None
         vq = vocab if remapped else sub or vocab  # with an order, q rows are scattered over the token ids
         rows, steps = _catch_up_rows(state, first, width_mtp, depth)
+        chain_kind = _pipelinable_shape(rows, steps, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", rows, steps, sub, *model.plan_tag, sp.plan_key),
@@ -581,9 +590,7 @@ def launch_round(
         sub = settings.sub_vocab
         remapped = model.draft_ids(sub) is not None
         rows, steps = _catch_up_rows(state, first, width_mtp, depth)
-        # a round a chained draft can be pipelined behind: a captured plan of a depth's shape (rows the most of
-        # its pending rows and depth + 1, a step a row after the first), not the exact shape near the context's end
-        chain_kind = rows == max(width_mtp, depth + 1) and steps == rows - 1 and rows <= MAX_CAPTURED_CATCHUP
+        chain_kind = _pipelinable_shape(rows, steps, width_mtp, depth)
         if rows <= MAX_CAPTURED_CATCHUP:
             plans.run(
                 ("draft", rows, steps, sub, *model.plan_tag),

@@ -233,28 +233,30 @@ def test_a_sub_vocab_order_in_graphs_with_one_sync(cuda_engines):
 def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines, monkeypatch):
     """Engine.overlap_rounds on a GPU (fp32): target-only, depth 5 chain and auto give the same tokens with the
     next round queued ahead after each read as without, on every workload; and pipelined (the default: rounds
-    queued before the one ahead is read, their inputs taken on the device) the same tokens, and at a static depth
-    the same acceptance. Then depths forced to change every round, shallower and deeper (plans captured while a
+    queued before the one ahead is read, their inputs taken on the device) the same tokens, sampled ones the same
+    draws, and at a static depth the same acceptance. Then depths forced to change every round, shallower and deeper (plans captured while a
     round is queued): pipelined, the same tokens and the same acceptance per draft position as unpipelined."""
-    from engine import adaptive
+    from engine import SamplingParams, adaptive
 
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
     was = eng.overlap_rounds
     try:
         for name, w in load_workloads().items():
             prompt = w.prompt_for(eng.tokenizer)
-            for settings in (
-                EngineSettings(speculative=False, plan_pool=8),
-                EngineSettings(draft_depth=5, chain=True, plan_pool=8),
-                EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True),
+            for settings, sampling in (
+                (EngineSettings(speculative=False, plan_pool=8), None),
+                (EngineSettings(draft_depth=5, chain=True, plan_pool=8), None),
+                (EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True), None),
+                (EngineSettings(draft_depth=3, chain=True, plan_pool=8), SamplingParams(temperature=0.8, seed=3)),
             ):
                 eng.overlap_rounds = False
-                plain = eng.generate(prompt, N_NEW, settings, eng.new_session())
+                plain = eng.generate(prompt, N_NEW, settings, eng.new_session(), sampling=sampling)
                 want = plain.tokens
                 eng.overlap_rounds, eng.pipeline_rounds = True, False
-                assert eng.generate(prompt, N_NEW, settings, eng.new_session()).tokens == want, (name, settings)
+                queued = eng.generate(prompt, N_NEW, settings, eng.new_session(), sampling=sampling)
+                assert queued.tokens == want, (name, settings)
                 eng.pipeline_rounds = None
-                got = eng.generate(prompt, N_NEW, settings, eng.new_session())
+                got = eng.generate(prompt, N_NEW, settings, eng.new_session(), sampling=sampling)
                 assert got.tokens == want and got.stats["pipelined_rounds"] > 0, (name, settings)
                 if not settings.adaptive:
                     assert got.stats["accepted"] == plain.stats["accepted"], (name, settings)

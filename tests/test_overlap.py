@@ -330,14 +330,54 @@ def test_settings_changed_mid_run_keep_greedy_tokens(pipelined_all, code):
     assert sess.tokens == code + want
 
 
-def test_sampled_speculative_rounds_are_not_pipelined(pipelined_all, code):
-    """A sampled draft's acceptance draws from the host's seed per round: not queued behind a round not read
-    (same tokens as without overlap)."""
-    sampling = SamplingParams(temperature=0.8, seed=5)
-    spec = EngineSettings(draft_depth=3, chain=True)
-    got = pipelined_all.generate(code, 40, spec, pipelined_all.new_session(), sampling=sampling)
-    assert got.stats["pipelined_rounds"] == 0
-    assert got.tokens == _plain(pipelined_all, code, 40, spec, sampling).tokens
+@pytest.mark.parametrize(
+    "depth,sub_vocab,sampling",
+    [
+        (1, 0, SamplingParams(temperature=0.8, seed=5)),
+        (3, 0, SamplingParams(temperature=0.8, seed=5)),
+        (6, 0, SamplingParams(temperature=1.0, top_p=0.9, seed=2)),
+        (4, 4096, SamplingParams(temperature=0.7, top_k=20, seed=9)),
+    ],
+)
+def test_sampled_speculative_rounds_pipelined_draw_as_without(pipelined_all, code, depth, sub_vocab, sampling):
+    """A sampled chained round's draws are keyed by the seed and its start position, both on the device: queued
+    behind the round ahead, it draws the same drafts, acceptances and tokens as from the host's staging."""
+    spec = EngineSettings(draft_depth=depth, chain=True, sub_vocab=sub_vocab)
+    want = _plain(pipelined_all, code, 60, spec, sampling)
+    got = pipelined_all.generate(code, 60, spec, pipelined_all.new_session(), sampling=sampling)
+    assert got.tokens == want.tokens and len(set(want.tokens)) > 5
+    assert got.stats["per_position_acceptance"] == want.stats["per_position_acceptance"]
+    assert got.stats["accepted"] == want.stats["accepted"] > 0
+    assert got.stats["pipelined_rounds"] >= got.stats["rounds"] - 4 > 0
+
+
+def test_an_end_of_text_inside_a_pipelined_sampled_round(pipelined_all, code, monkeypatch):
+    """The round queued behind a sampled round cut at an end of text is dropped; the session then continues
+    drawing exactly as an unpipelined session cut at the same token (every draw is keyed by the seed and the
+    round's start position, so a cut moves the rounds after it: the uncut run is not the reference)."""
+    spec = EngineSettings(draft_depth=4, chain=True)
+    sampling = SamplingParams(temperature=0.8, seed=7)
+    whole = _plain(pipelined_all, code, 48, spec, sampling).tokens
+
+    def cut_and_continue(eos):
+        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
+        sess = pipelined_all.new_session()
+        res = pipelined_all.generate(code, 48, spec, sess, sampling=sampling)
+        pipelined_all.tokenizer.eos_token_ids = frozenset()
+        more = pipelined_all.generate(sess.tokens, 48 - len(res.tokens), spec, sess, sampling=sampling)
+        return res, more
+
+    dropped = 0  # cuts whose round was pipelined behind another
+    for cut in range(3, 30, 2):
+        eos = whole[cut]
+        pipelined_all.overlap_rounds = False
+        want, want_more = cut_and_continue(eos)
+        pipelined_all.overlap_rounds = True
+        got, more = cut_and_continue(eos)
+        assert got.tokens == want.tokens == whole[: whole.index(eos) + 1] and got.stats["stop_reason"] == "eos", cut
+        assert more.tokens == want_more.tokens and len(more.tokens) == 48 - len(got.tokens), cut
+        dropped += got.stats["pipelined_rounds"] > 0
+    assert dropped >= 8
 
 
 def test_adaptive_depth_is_pipelined_and_gives_greedy_tokens(pipelined_all, code):
@@ -374,22 +414,30 @@ def depth_pattern(monkeypatch):
     return calls
 
 
-def test_pipelined_rounds_of_changing_depths_draft_and_accept_as_unpipelined_ones(pipelined_all, code, depth_pattern):
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, seed=4)], ids=["greedy", "sampled"])
+def test_pipelined_rounds_of_changing_depths_draft_and_accept_as_unpipelined_ones(
+    pipelined_all, code, depth_pattern, sampling
+):
     auto = EngineSettings(draft_depth="auto", max_draft_depth=16, chain=True)
-    want = _plain(pipelined_all, code, 160).tokens
+    want = _plain(pipelined_all, code, 160, sampling=sampling).tokens
     depth_pattern.clear()
-    unpipelined = _plain(pipelined_all, code, 160, auto)
+    unpipelined = _plain(pipelined_all, code, 160, auto, sampling)
     depth_pattern.clear()
     sess = pipelined_all.new_session()
-    events = list(pipelined_all.stream(code, 160, auto, sess))
-    assert [t for ev in events for t in ev.tokens] == want == unpipelined.tokens
+    events = list(pipelined_all.stream(code, 160, auto, sess, sampling=sampling))
+    assert [t for ev in events for t in ev.tokens] == unpipelined.tokens
+    if sampling is None:
+        assert unpipelined.tokens == want
     assert [ev.depth for ev in events] == [DEPTHS[i % len(DEPTHS)] for i in range(len(events))]
     assert len(events) > len(DEPTHS)
     # the same drafts round by round as from the host's staging: a wrong MTP row or token would only lose speed
     assert events[-1].run["per_position_acceptance"] == unpipelined.stats["per_position_acceptance"]
     assert events[-1].run["accepted"] == unpipelined.stats["accepted"] > 0
-    assert all(ev.pipelined for ev in events[1:-4])  # every depth change up or down pipelined
-    assert sess.tokens == code + want
+    # every round after the first pipelined, up or down in depth, where the budget cannot cut the round ahead
+    left = [160 - sum(len(ev.tokens) for ev in events[:i]) for i in range(len(events))]
+    assert [ev.pipelined for ev in events[1:]] == [left[i] > events[i].depth + 1 for i in range(len(events) - 1)]
+    assert sum(ev.pipelined for ev in events) >= len(events) - 6
+    assert sess.tokens == code + unpipelined.tokens
 
 
 def test_an_end_of_text_inside_pipelined_rounds_of_changing_depths(pipelined_all, code, monkeypatch, depth_pattern):
