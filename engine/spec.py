@@ -433,7 +433,7 @@ def can_pipeline(
 ) -> bool:
     """Whether the round after `after` (queued, not read yet) can be queued before `after` is read, its inputs
     taken from `after`'s results on the device (launch_round's `behind`): a target-only round after a target-only
-    round (its one input token and position); with `speculative`, also a greedy chained-draft round after one of
+    round (its one input token and position); with `speculative`, also a chained-draft round after one of
     the same settings but perhaps another depth (an adaptive depth's choice, a change made between rounds): its
     position, the MTP head's pending rows and their tokens (the accepted ones), where `after` cannot be cut by the
     budget; greedy or sampled alike (a sampled round's draws are keyed by the seed and the start position, both

@@ -269,6 +269,24 @@ def test_speculative_rounds_are_pipelined_by_default_and_target_keeps_it_to_targ
     assert target.stats["pipelined_rounds"] == 19
 
 
+def _cut_at_each_and_continue(eng, prompt, settings, want, cuts, before=None):
+    """For each cut, an end of text at want[cut]'s token: the run stops at its first place in want, and the session
+    then continues exactly as greedy decoding (want: the greedy tokens; `before()`: called before each run)."""
+    n = len(want)
+    for cut in cuts:
+        eos = want[cut]
+        first = want.index(eos)
+        eng.tokenizer.eos_token_ids = frozenset({eos})
+        if before is not None:
+            before()
+        sess = eng.new_session()
+        res = eng.generate(prompt, n, settings, sess)
+        assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
+        eng.tokenizer.eos_token_ids = frozenset()
+        more = eng.generate(sess.tokens, n - first - 1, settings, sess).tokens
+        assert want[: first + 1] + more == want, cut
+
+
 @pytest.mark.parametrize("depth", [8, 16])
 def test_an_end_of_text_inside_a_pipelined_speculative_round_leaves_a_session_that_continues_greedily(
     pipelined_all, code, monkeypatch, depth
@@ -285,16 +303,7 @@ def test_an_end_of_text_inside_a_pipelined_speculative_round_leaves_a_session_th
     fed_again = []
     real_prefill = spec.prefill
     monkeypatch.setattr(spec, "prefill", lambda *a, **kw: fed_again.append(1) or real_prefill(*a, **kw))
-    for cut in range(4, 30):
-        eos = want[cut]
-        first = want.index(eos)
-        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
-        sess = pipelined_all.new_session()
-        res = pipelined_all.generate(code, 48, settings, sess)
-        assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
-        pipelined_all.tokenizer.eos_token_ids = frozenset()
-        more = pipelined_all.generate(sess.tokens, 48 - first - 1, settings, sess).tokens
-        assert want[: first + 1] + more == want, cut
+    _cut_at_each_and_continue(pipelined_all, code, settings, want, range(4, 30))
     assert bool(fed_again) == (depth == 16)  # at 16 a cut overwrote the kept position's plane: the recovery ran
 
 
@@ -445,17 +454,7 @@ def test_an_end_of_text_inside_pipelined_rounds_of_changing_depths(pipelined_all
     cut one is dropped whatever its depth, and the session then continues exactly as greedy decoding."""
     auto = EngineSettings(draft_depth="auto", max_draft_depth=16, chain=True)
     want = _plain(pipelined_all, code, 60).tokens
-    for cut in range(3, 40):
-        eos = want[cut]
-        first = want.index(eos)
-        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
-        depth_pattern.clear()
-        sess = pipelined_all.new_session()
-        res = pipelined_all.generate(code, 60, auto, sess)
-        assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
-        pipelined_all.tokenizer.eos_token_ids = frozenset()
-        more = pipelined_all.generate(sess.tokens, 60 - first - 1, auto, sess).tokens
-        assert want[: first + 1] + more == want, cut
+    _cut_at_each_and_continue(pipelined_all, code, auto, want, range(3, 40), before=depth_pattern.clear)
 
 
 def test_synthetic_acceptance_pipelined_draws_as_without(pipelined_all, code):
