@@ -59,13 +59,14 @@ ROUND_COLUMNS = [
     "accepted_length",
     "accepted_length_smoothed",
     "depth",
+    "pipelined",  # 1: the round was queued before the one ahead of it was read (RoundEvent.pipelined)
     *(column for _, column in TIME_SPLIT_COLUMNS),
     "time_round_ms",
     "engine_memory_bytes",
 ] + [f"engine_{name}_bytes" for name in ENGINE_MEMORY_COMPONENTS]
 CSV_EXTRA_COLUMNS = ["settings", "marker"]  # after ROUND_COLUMNS in an export
 OVERLAY_SERIES = ("tokens_per_second_smoothed", "acceptance_rate_smoothed", "accepted_length_smoothed")
-_INTEGER_COLUMNS = {"run", "round", "tokens", "drafted", "accepted"}
+_INTEGER_COLUMNS = {"run", "round", "tokens", "drafted", "accepted", "pipelined"}
 
 # Short names for marker labels: "depth 3→5", "chain on" (EngineSettings' field metadata).
 KNOB_SHORT_NAMES = {k.name: k.short for k in knobs()}
@@ -302,6 +303,7 @@ class RunHistory:
             "accepted_length": n_tokens,
             "accepted_length_smoothed": w_tokens / len(self._window),
             "depth": float(getattr(ev, "depth", 0) or 0),
+            "pipelined": float(bool(getattr(ev, "pipelined", False))),
             "time_round_ms": round_s * 1000.0,
             "engine_memory_bytes": sum(self.engine_memory.values()) if self.engine_memory else None,
         }

@@ -144,6 +144,21 @@ def test_the_status_line_and_every_plot_fit_at_1280x800(qtbot, window):
         assert label.wordWrap() and label.heightForWidth(label.width()) <= label.height() + 1  # nothing cut
 
 
+def test_the_status_line_says_when_the_last_round_was_pipelined(qtbot, window):
+    plots = window.plots
+    updates = _updates(5, 50.0)
+    for u in updates[1:]:
+        u.event.pipelined = True
+    plots.add_rounds(updates)
+    plots.redraw(force_ranges=True)
+    assert "(pipelined)" in plots.summary_label.text()
+    held = _updates(1, 51.0)  # a round queued only once the one ahead was read (e.g. a setting changed)
+    held[0].event.pipelined = False
+    plots.add_rounds(held)
+    plots.redraw(force_ranges=True)
+    assert "round" in plots.summary_label.text() and "(pipelined)" not in plots.summary_label.text()
+
+
 def test_all_plots_advance_together_in_one_frame(qtbot, window):
     plots = window.plots
     plots.add_rounds(_updates(30, 10.0))

@@ -26,8 +26,9 @@ from engine.settings import EngineSettings
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _event(settings=None, tokens=3, drafted=3, accepted=2, round_s=0.01, index=0, run=None, depth=3):
+def _event(settings=None, tokens=3, drafted=3, accepted=2, round_s=0.01, index=0, run=None, depth=3, pipelined=False):
     return types.SimpleNamespace(
+        pipelined=pipelined,
         settings=settings or EngineSettings(),
         tokens=list(range(tokens)),
         drafted=drafted,
@@ -168,10 +169,20 @@ def test_memory_samples_are_kept_only_while_recording():
 # ---- CSV ---------------------------------------------------------------------------------------------------
 
 
+def test_each_round_records_whether_it_was_pipelined():
+    history = RunHistory()
+    history.add_round(_event(index=0), 100.0, 1)
+    history.add_round(_event(index=1, pipelined=True), 100.01, 1)
+    old = _event(index=2)
+    del old.pipelined  # an event from before the field: not pipelined
+    history.add_round(old, 100.02, 1)
+    assert history.column("pipelined").tolist() == [0.0, 1.0, 0.0]
+
+
 def test_the_csv_round_trips_every_column(tmp_path):
     history = RunHistory()
     memory = {"weights": 70 * 2**20, "kv_cache": 12 * 2**20}
-    _feed(history, 4, settings=EngineSettings(), run={"memory": memory})
+    _feed(history, 4, settings=EngineSettings(), run={"memory": memory}, pipelined=True)
     history.add_round(_event(settings=EngineSettings(p_min=0.3), index=4), 100.2, 1)
     history.mark_stop()
     history.mark_start(monotonic_s=101.0)
@@ -199,6 +210,16 @@ def test_the_csv_round_trips_every_column(tmp_path):
     overlay = load_overlay(path)
     assert overlay.name == "run" and overlay.time_s[0] == 0 and set(overlay.series) == set(OVERLAY_SERIES)
     assert len(overlay.time_s) == 8
+    assert rows[0]["pipelined"] == "1"
+    # an export from before the pipelined column still loads as an overlay
+    older = tmp_path / "older.csv"
+    with older.open("w", newline="", encoding="utf-8") as f:
+        out = csv.DictWriter(f, [k for k in rows[0] if k != "pipelined"])
+        out.writeheader()
+        out.writerows({k: v for k, v in r.items() if k != "pipelined"} for r in rows)
+    assert load_overlay(older).series["tokens_per_second_smoothed"] == pytest.approx(
+        overlay.series["tokens_per_second_smoothed"], nan_ok=True
+    )
 
 
 def test_gpu_memory_goes_to_its_own_csv(tmp_path):

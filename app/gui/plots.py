@@ -828,11 +828,13 @@ class RunPlots(QWidget):
         last = int(np.flatnonzero(finite)[-1])
         rate = r["acceptance_rate_smoothed"][last]
         overlay = f" · dashed: {self.overlay.name}" if self.overlay is not None else ""
+        # whether the last round was queued before the one ahead of it was read (a setting can stop that)
+        pipelined = " (pipelined)" if r["pipelined"][last] == 1 else ""
         self.summary_label.setText(
             f"round {self.history.round_count} · {r['tokens_per_second_smoothed'][last]:.1f} tok/s · "
             f"acceptance {'n/a' if np.isnan(rate) else f'{rate:.0%}'} · "
             f"{r['accepted_length_smoothed'][last]:.2f} tokens/round · "
-            f"round {r['time_round_ms'][last]:.1f} ms{overlay}"
+            f"round {r['time_round_ms'][last]:.1f} ms{pipelined}{overlay}"
         )
 
     # ------------------------------------------------------------------------------ export
