@@ -796,12 +796,13 @@ class Engine:
             # The next round's settings are therefore read one event earlier: a change or cancel made while
             # handling an event takes effect a round later than without overlap (the round already queued is
             # finished and emitted as usual).
-            # Pipelined (overlap on one device; target-only after target-only, chained drafts after chained drafts): the next round is queued before this one is even read, its inputs (token, position,
-            # the draft head's pending rows) taken from this round's results on the device (spec.can_pipeline), so
-            # the device runs from round to round without waiting for the host's read, its bookkeeping and the next
-            # launch (on the H200 ~0.3 ms a 9B-like token). Its settings are read at the
-            # same boundary as with overlap alone (after the previous event was handed over); a round queued behind
-            # the run's last one (an end of text) is abandoned before the last event goes out.
+            # Pipelined (overlap on one device; target-only after target-only, chained drafts after chained drafts):
+            # the next round is queued before this one is even read, its inputs (token, position, the draft head's
+            # pending rows) taken from this round's results on the device (spec.can_pipeline), so the device runs
+            # from round to round without waiting for the host's read, its bookkeeping and the next launch (on the
+            # H200 ~0.3 ms a 9B-like token). Its settings are read at the same boundary as with overlap alone (after
+            # the previous event was handed over); a round queued behind the run's last one (an end of text) is
+            # abandoned before the last event goes out.
             overlap = leader and (
                 self.model.device.type == "cuda" if self.overlap_rounds is None else self.overlap_rounds
             )
