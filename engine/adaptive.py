@@ -129,7 +129,8 @@ class DepthController:
         few steps. On the bundled model a round is ~1 ms of mostly host work, and an auto round at the
         boundary-decided depth cost 3.7% more than a static one (the curve's few dozen Python steps are most
         of that work; they ran cache-cold after the round's launches: ~40 us a round). The curve then lags
-        one round (it has not seen the round running), which a decay over ~30 rounds does not notice."""
+        one round (it has not seen the round running), two where rounds are pipelined (the next round's depth is
+        chosen before the round ahead of it is read), which a decay over ~30 rounds does not notice."""
         self._decide()
         self._prepared = True
 
