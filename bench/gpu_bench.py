@@ -655,8 +655,7 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
         ratios = "  ".join(
             f"{m}/off {med[m] / med['off']:5.3f}x ({compare_ranges(out['off'], out[m])})" for m in cells if m != "off"
         )
-        if "pipelined" in cells:
-            ratios += f"  pipelined/queued {med['pipelined'] / med['queued']:5.3f}x"
+        ratios += f"  pipelined/queued {med['pipelined'] / med['queued']:5.3f}x"
         same = all(texts[m] == texts["off"] for m in cells)
         piped = runs["pipelined"][-1]
         share = f"{piped['pipelined_rounds']}/{piped['rounds']}"

@@ -403,8 +403,8 @@ class LaunchedRound:
     out_host: torch.Tensor  # where its results are copied: state.out_hosts[out_slot] (two rounds queued: two)
     out_slot: int
     pipelined: bool = False  # its inputs were taken on the device from the round queued before it (behind)
-    # "target": a target-only round; "chain": a greedy round whose MTP head drafted on the device (chain on, no
-    # sampling, no drafter); "": neither. What can_pipeline lets a round be queued behind.
+    # "target": a target-only round; "chain": a round whose MTP head drafted on the device in a captured depth
+    # shape (chain on, no drafter; greedy or sampled); "": neither. What can_pipeline lets a round be queued behind.
     kind: str = ""
     behind: LaunchedRound | None = None  # pipelined speculative: the round before it, until resolve
     emitted_on_device: int = 0  # tokens the device accepted (before the host cut at an end of text or the budget)

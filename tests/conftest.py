@@ -140,3 +140,24 @@ def prompts(eng) -> dict[str, list[int]]:
     from app.workloads import load_workloads
 
     return {name: eng.tokenizer.encode(w.prompt) for name, w in load_workloads().items()}
+
+
+@pytest.fixture
+def force_depths(monkeypatch):
+    """force_depths(depths) -> calls: adaptive rounds then take `depths` in turn (capped at the controller's
+    max_depth), one DepthController.choose a round, pipelined or not, so an unpipelined run of the same settings
+    drafts at the same depth round by round; `calls.clear()` starts the turn again."""
+    from engine import adaptive
+
+    def force(depths):
+        calls = []
+
+        def choose(self):
+            calls.append(1)
+            self.last_choice = min(depths[(len(calls) - 1) % len(depths)], self.max_depth)
+            return self.last_choice
+
+        monkeypatch.setattr(adaptive.DepthController, "choose", choose)
+        return calls
+
+    return force

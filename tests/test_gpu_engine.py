@@ -230,13 +230,14 @@ def test_a_sub_vocab_order_in_graphs_with_one_sync(cuda_engines):
         eng.set_sub_vocab_order(None)
 
 
-def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines, monkeypatch):
+def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines, force_depths):
     """Engine.overlap_rounds on a GPU (fp32): target-only, depth 5 chain and auto give the same tokens with the
     next round queued ahead after each read as without, on every workload; and pipelined (the default: rounds
     queued before the one ahead is read, their inputs taken on the device) the same tokens, sampled ones the same
-    draws, and at a static depth the same acceptance. Then depths forced to change every round, shallower and deeper (plans captured while a
-    round is queued): pipelined, the same tokens and the same acceptance per draft position as unpipelined."""
-    from engine import SamplingParams, adaptive
+    draws, and at a static depth the same acceptance. Then depths forced to change every round, shallower and
+    deeper (plans captured while a round is queued): pipelined, the same tokens and the same acceptance per draft
+    position as unpipelined."""
+    from engine import SamplingParams
 
     eng = cuda_engines.get("bundled", cuda_engines["tiny"])
     was = eng.overlap_rounds
@@ -260,15 +261,7 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines, monkeypa
                 assert got.tokens == want and got.stats["pipelined_rounds"] > 0, (name, settings)
                 if not settings.adaptive:
                     assert got.stats["accepted"] == plain.stats["accepted"], (name, settings)
-        depths = (3, 6, 1, 5, 2, 2, 4, 6, 1)
-        calls = []
-
-        def choose(self):
-            calls.append(1)
-            self.last_choice = depths[(len(calls) - 1) % len(depths)]
-            return self.last_choice
-
-        monkeypatch.setattr(adaptive.DepthController, "choose", choose)
+        calls = force_depths((3, 6, 1, 5, 2, 2, 4, 6, 1))
         auto = EngineSettings(draft_depth="auto", max_draft_depth=6, chain=True)
         prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
         eng.overlap_rounds = False

@@ -269,20 +269,20 @@ def test_speculative_rounds_are_pipelined_by_default_and_target_keeps_it_to_targ
     assert target.stats["pipelined_rounds"] == 19
 
 
-def _cut_at_each_and_continue(eng, prompt, settings, want, cuts, before=None):
+def _cut_at_each_and_continue(eng, monkeypatch, prompt, settings, want, cuts, before=None):
     """For each cut, an end of text at want[cut]'s token: the run stops at its first place in want, and the session
     then continues exactly as greedy decoding (want: the greedy tokens; `before()`: called before each run)."""
     n = len(want)
     for cut in cuts:
         eos = want[cut]
         first = want.index(eos)
-        eng.tokenizer.eos_token_ids = frozenset({eos})
+        monkeypatch.setattr(eng.tokenizer, "eos_token_ids", frozenset({eos}))  # the module's engine: undone after
         if before is not None:
             before()
         sess = eng.new_session()
         res = eng.generate(prompt, n, settings, sess)
         assert res.tokens == want[: first + 1] and res.stats["stop_reason"] == "eos", cut
-        eng.tokenizer.eos_token_ids = frozenset()
+        monkeypatch.setattr(eng.tokenizer, "eos_token_ids", frozenset())
         more = eng.generate(sess.tokens, n - first - 1, settings, sess).tokens
         assert want[: first + 1] + more == want, cut
 
@@ -303,7 +303,7 @@ def test_an_end_of_text_inside_a_pipelined_speculative_round_leaves_a_session_th
     fed_again = []
     real_prefill = spec.prefill
     monkeypatch.setattr(spec, "prefill", lambda *a, **kw: fed_again.append(1) or real_prefill(*a, **kw))
-    _cut_at_each_and_continue(pipelined_all, code, settings, want, range(4, 30))
+    _cut_at_each_and_continue(pipelined_all, monkeypatch, code, settings, want, range(4, 30))
     assert bool(fed_again) == (depth == 16)  # at 16 a cut overwrote the kept position's plane: the recovery ran
 
 
@@ -369,10 +369,10 @@ def test_an_end_of_text_inside_a_pipelined_sampled_round(pipelined_all, code, mo
     whole = _plain(pipelined_all, code, 48, spec, sampling).tokens
 
     def cut_and_continue(eos):
-        pipelined_all.tokenizer.eos_token_ids = frozenset({eos})
+        monkeypatch.setattr(pipelined_all.tokenizer, "eos_token_ids", frozenset({eos}))
         sess = pipelined_all.new_session()
         res = pipelined_all.generate(code, 48, spec, sess, sampling=sampling)
-        pipelined_all.tokenizer.eos_token_ids = frozenset()
+        monkeypatch.setattr(pipelined_all.tokenizer, "eos_token_ids", frozenset())
         more = pipelined_all.generate(sess.tokens, 48 - len(res.tokens), spec, sess, sampling=sampling)
         return res, more
 
@@ -407,20 +407,9 @@ DEPTHS = (3, 5, 2, 8, 1, 4, 4, 7, 16, 2, 6, 1, 16, 16, 9, 3)
 
 
 @pytest.fixture
-def depth_pattern(monkeypatch):
-    """Adaptive rounds whose depths are DEPTHS in turn (one choice a round, pipelined or not, so an unpipelined
-    run of the same settings drafts at the same depth round by round)."""
-    from engine import adaptive
-
-    calls = []
-
-    def choose(self):
-        calls.append(1)
-        self.last_choice = min(DEPTHS[(len(calls) - 1) % len(DEPTHS)], self.max_depth)
-        return self.last_choice
-
-    monkeypatch.setattr(adaptive.DepthController, "choose", choose)
-    return calls
+def depth_pattern(force_depths):
+    """Adaptive rounds whose depths are DEPTHS in turn (conftest's force_depths)."""
+    return force_depths(DEPTHS)
 
 
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, seed=4)], ids=["greedy", "sampled"])
@@ -454,7 +443,7 @@ def test_an_end_of_text_inside_pipelined_rounds_of_changing_depths(pipelined_all
     cut one is dropped whatever its depth, and the session then continues exactly as greedy decoding."""
     auto = EngineSettings(draft_depth="auto", max_draft_depth=16, chain=True)
     want = _plain(pipelined_all, code, 60).tokens
-    _cut_at_each_and_continue(pipelined_all, code, auto, want, range(3, 40), before=depth_pattern.clear)
+    _cut_at_each_and_continue(pipelined_all, monkeypatch, code, auto, want, range(3, 40), before=depth_pattern.clear)
 
 
 def test_synthetic_acceptance_pipelined_draws_as_without(pipelined_all, code):
