@@ -83,6 +83,12 @@ EPILOGUES = ("silu", "norm")
 # in_proj was 1-4% slower fused). Mode "exact" keeps its row-invariant variant and the two launches.
 _RULE_VARIANT = "tc2.w8.s1"
 _RULE_MIN_BYTES = 32 << 20
+# The MLP of one row in one launch (GemvProducts.mlp_add_rmsnorm; kernels/cuda.py gemv_mlp_add_rmsnorm): the CUDA-core
+# variants of the down product it can run (the gate|up product takes the same warps), "auto" timing each against
+# the launches it replaces (the gate|up and down choices with their epilogues); mode "cupy" takes _MLP_DEFAULT.
+_MLP_VARIANTS = tuple(f"simt{c}.w{w}.s{s}" for c in (1, 2) for w in (4, 8) for s in (1, 2, 4))
+_MLP_DEFAULT = "simt2.w8.s2"
+_MLP_LABEL = "m1 mlp"  # the cache's bucket label of the choice ("cublas" there: the launches it replaces)
 
 _compiled = None
 
@@ -164,6 +170,9 @@ class GemvProducts:
         # (n, k, bucket index) -> the variant whose fused form made that product with the delta-net's step instead of
         # the choice (conv_delta_rule_norm): shown beside the choice in `labels`
         self.fused: dict[tuple[int, int, int], str] = {}
+        # down weight shape (n, k) -> the one-launch MLP's variant, or "cublas": the gate|up and down products as
+        # chosen above, each with its epilogue (mlp_choice)
+        self.mlp_choices: dict[tuple[int, int], str] = {}
         self._tuning = False  # inside tune(): the cache is written once at its end
 
     # ---- the product --------------------------------------------------------------------------------
@@ -195,6 +204,65 @@ class GemvProducts:
             if choice != "cublas":
                 return ops.gemv_silu_mul(x, w, choice)
         return ops.silu_mul(self(x, w))
+
+    def mlp_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rmsnorm(self(silu_mul(self(x, w_gate_up)), w_down), residual, weight, eps): the MLP and the residual
+        add + norm after it, in one launch where mlp_choice names a variant (one row), else as silu_mul then
+        add_rmsnorm make them."""
+        variant = self.mlp_choice(x, w_gate_up, w_down)
+        if variant != "cublas":
+            return ops.gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, weight, eps, variant)
+        return self.add_rmsnorm(self.silu_mul(x, w_gate_up), w_down, residual, weight, eps)
+
+    def mlp_choice(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
+        """The one-launch MLP's variant for these operands, or "cublas" (the launches it replaces): only for one
+        row, not in mode "exact"; mode "cupy" _MLP_DEFAULT, mode "auto" measured (tune_mlp; a shape met later
+        inside a capture is the launches it replaces until an eager call measures it)."""
+        if not self.ok or self.mode == "exact" or x.dim() != 2 or x.shape[0] != 1:
+            return "cublas"
+        key = (w_down.shape[0], w_down.shape[1])
+        found = self.mlp_choices.get(key)
+        if found is not None:
+            return found if ops.gemv_mlp_fits(x, w_gate_up, w_down, found) else "cublas"
+        if self.mode == "cupy":
+            found = _MLP_DEFAULT if ops.gemv_mlp_fits(x, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
+        elif torch.cuda.is_current_stream_capturing():
+            return "cublas"
+        else:
+            found = self._tuned_mlp([(w_gate_up, w_down)])
+        self.mlp_choices[key] = found
+        return found
+
+    def tune_mlp(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Choose the one-launch MLP per down shape now (the model's (gate|up, down) pairs), after tune()."""
+        if not self.ok or self.mode == "exact":
+            return
+        by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for gu, down in pairs:
+            by_shape.setdefault((down.shape[0], down.shape[1]), []).append((gu, down))
+        self._tuning = True
+        try:
+            for same in by_shape.values():
+                gu, down = same[0]
+                key = (down.shape[0], down.shape[1])
+                if key in self.mlp_choices:
+                    continue
+                if self.mode == "auto":
+                    self.mlp_choices[key] = self._tuned_mlp(same)
+                else:
+                    self.mlp_choice(torch.empty((1, gu.shape[1]), dtype=self.dtype, device=self.device), gu, down)
+        finally:
+            self._tuning = False
+            if self.cache is not None:
+                self.cache.save()
 
     def conv_delta_rule_norm(
         self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
@@ -247,6 +315,8 @@ class GemvProducts:
         for (n, k, b), c in sorted(self.choices.items()):
             fused = self.fused.get((n, k, b))
             out[f"{n}x{k} {bucket_label(b)}"] = c if fused is None else f"{fused} with the delta step ({c} alone)"
+        for (n, k), c in sorted(self.mlp_choices.items()):
+            out[f"{n}x{k} {_MLP_LABEL}"] = "separate launches" if c == "cublas" else f"{c} one launch with gate|up"
         return out
 
     # ---- auto: measuring --------------------------------------------------------------------------------
@@ -298,6 +368,77 @@ class GemvProducts:
         if not self._tuning:
             self.cache.save()  # a shape met after the load is written at once
         return choice
+
+    def _tuned_mlp(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+        """The cached or measured one-launch MLP choice for the (gate|up, down) pairs of one down shape."""
+        gu, down = pairs[0]
+        n, k = down.shape
+        key = cache_key(self.gpu, self.dtype, n, k, f"{_MLP_LABEL} {gu.shape[0]}x{gu.shape[1]}", self.version)
+        cached = self.cache.get(key) if self.cache is not None else None
+        if cached is not None:
+            return cached
+        try:
+            choice, times = self._measure_mlp(pairs)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: the launches it replaces
+            warnings.warn(
+                f"gemm auto: measuring the one-launch MLP for {n}x{k} failed ({type(exc).__name__}: {exc}); "
+                "the MLP keeps its separate launches",
+                stacklevel=2,
+            )
+            return "cublas"
+        self.measured += 1
+        self.timings[(n, k, -1)] = times
+        if self.cache is not None:
+            self.cache.put(key, choice, times)
+            if not self._tuning:
+                self.cache.save()
+        return choice
+
+    def _measure_mlp(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[str, dict[str, float]]:
+        """(fastest, us per call of each) of the one-launch MLP's variants against "cublas" (the gate|up and down
+        products as chosen, with their epilogues) for one row; a variant must give the bits of the launches it
+        replaces (gemv_silu_mul then gemv_add_rmsnorm with its warps and splits)."""
+        gu, down = pairs[0]
+        i, n = gu.shape[0] // 2, down.shape[0]
+        each = gu.numel() * gu.element_size() + down.numel() * down.element_size()
+        ws = list(pairs[:_TUNE_MAX_WEIGHTS])
+        count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
+        calls = [ws[j % len(ws)] for j in range(count)]
+        g = torch.Generator(device=self.device).manual_seed(n * 7919 + i * 31 + 1)
+        x = torch.randn((1, gu.shape[1]), device=self.device, generator=g).to(self.dtype)
+        r = torch.randn((1, n), device=self.device, generator=g).to(self.dtype)
+        nw = torch.randn(n, device=self.device, generator=g) * 0.1
+        eps = 1e-6
+
+        def form(candidate, pair):
+            if candidate == "cublas":
+                return self.add_rmsnorm(self.silu_mul(x, pair[0]), pair[1], r, nw, eps)
+            return ops.gemv_mlp_add_rmsnorm(x, pair[0], pair[1], r, nw, eps, candidate)
+
+        times: dict[str, float] = {}
+        for candidate in ["cublas", *_MLP_VARIANTS]:
+            if candidate != "cublas":
+                if not ops.gemv_mlp_fits(x, gu, down, candidate):
+                    continue
+                family, warps, splits = ops.parse_gemv_variant(candidate)
+                act = ops.gemv_silu_mul(x, gu, f"{family}.w{warps}.s1")
+                want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, candidate)
+                got = form(candidate, pairs[0])
+                if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                    warnings.warn(
+                        f"gemm auto: the one-launch MLP {candidate} differs from its separate launches on "
+                        f"{gu.shape[0]}x{gu.shape[1]} then {n}x{i}; it is not used",
+                        stacklevel=3,
+                    )
+                    continue
+            times[candidate] = _graph_seconds(lambda c=candidate: [form(c, p) for p in calls], self.device)
+            times[candidate] *= 1e6 / len(calls)
+        one = [c for c in times if c != "cublas"]
+        if not one:
+            return "cublas", {c: round(t, 3) for c, t in times.items()}
+        best = min(one, key=times.get)
+        choice = best if times[best] <= times["cublas"] * (1.0 + _ONE_LAUNCH_MARGIN) else "cublas"
+        return choice, {c: round(t, 3) for c, t in times.items()}
 
     def _weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Distinct tensors to cycle through: the model's, plus clones until they pass ~3 x L2 (at most

@@ -77,6 +77,10 @@ class Model:
         # gemv kernel makes the product (engine/gemm.py _RULE_VARIANT says where); off only to measure the two-launch
         # form against it (bench/decode_ab.py --rule-ab)
         self.fuse_rule = True
+        # the MLP of one row (gate|up + silu_mul, down + add + norm) as one launch (the gemv kernel's "_mlp" form)
+        # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
+        # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
+        self.fuse_mlp = True
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -147,6 +151,8 @@ class Model:
             fused = self.fuse_norm and not self.group.active
             norm = {tuple(t.shape) for name, t in self.w.items() if name.endswith(joins)} if fused else set()
             self._gemv.tune(self.product_weights(), activation=gate_up, norm=norm)
+            if fused:
+                self._gemv.tune_mlp(self._mlp_pairs())
             in_proj = [t for name, t in self.w.items() if name.endswith("in_proj_packed")]
             self._gemv.prepare_rule(in_proj, self.cfg.linear_key_head_dim)
 
@@ -212,6 +218,24 @@ class Model:
         if self._gemv is not None and not self.group.active and self.fuse_norm:
             return self._gemv.add_rmsnorm(x, weight, residual, norm_weight, eps)
         return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)
+
+    def _mlp_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(packed gate|up, down) of every MLP of the model (its layers', the MTP head's)."""
+        w = self.w
+        ends = "mlp.gate_up_packed"
+        return [(t, w[n[: -len(ends)] + "mlp.down_proj.weight"]) for n, t in w.items() if n.endswith(ends)]
+
+    def mlp_add_norm(
+        self, p: str, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of layer prefix p on x, its output joining the residual stream, and the norm after it:
+        proj_add_norm(_mlp(p, x), down, residual, norm_weight). On one GPU with the gemv kernels, for one row, one
+        launch where the gemm mode chose it (GemvProducts.mlp_add_rmsnorm: the same bits as the launches it
+        replaces)."""
+        w_down = self.w[p + "mlp.down_proj.weight"]
+        if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp:
+            return self._gemv.mlp_add_rmsnorm(x, self.w[p + "mlp.gate_up_packed"], w_down, residual, norm_weight, eps)
+        return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to its down projection (which proj_add_norm makes). With a gemv kernel making the gate|up
@@ -311,7 +335,7 @@ class Model:
             h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], residual, next_norm, eps)
+            h, residual = self.mlp_add_norm(p, h, residual, next_norm, eps)
         return h
 
     def pick(
@@ -473,6 +497,7 @@ class Model:
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
+        tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property
@@ -539,7 +564,7 @@ class Model:
             )
             # x + MLP(h), then the next layer's input norm, or the final one: one add_rmsnorm
             nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
-            h, x = self.proj_add_norm(self._mlp(p, h), w[p + "mlp.down_proj.weight"], x, nxt, eps)
+            h, x = self.mlp_add_norm(p, h, x, nxt, eps)
         return h
 
 

@@ -1668,7 +1668,8 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
     plain = _gemv_plain_names(dtype, device)
     tc = plain[len(_GEMV_SIMT) :]
     silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
-    return (*plain, "gemv_combine", "gemv_combine_sm", *(f"{name}_an" for name in plain), *silu)
+    mlp = ("gemv_simt_m1_c1_mlp", "gemv_simt_m1_c2_mlp")
+    return (*plain, "gemv_combine", "gemv_combine_sm", *(f"{name}_an" for name in plain), *silu, *mlp)
 
 
 def gemv_rule_kernels(device: torch.device | str | int, dtype: torch.dtype, dk: int) -> bool:
@@ -1907,6 +1908,83 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     args = la.GemvSiluArgs(x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, M=m, N=i, K=k, vec_ok=int(vec_ok))
     _launch_gemv(name, x.dtype, x.device, grid, block, args, smem)
     return out
+
+
+def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, variant: str | None) -> bool:
+    """Whether gemv_mlp_add_rmsnorm runs its one-launch kernel for these operands (else its two ops): one row,
+    16-byte vectors, a CUDA-core variant ("simt1|simt2.wW.sS") whose W warps divide the activation's width and
+    whose tile (W * C columns) divides the output's."""
+    parsed = registry.parse_gemv_variant(variant) if variant is not None else None
+    if parsed is None or not parsed[0].startswith("simt") or x.dim() != 2 or x.shape[0] != 1:
+        return False
+    if w_gate_up.dim() != 2 or w_down.dim() != 2 or w_gate_up.shape[0] % 2 or x.shape[1] != w_gate_up.shape[1]:
+        return False
+    i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
+    warps, c = parsed[1], int(parsed[0][-1])
+    es = x.element_size()
+    return (
+        w_down.shape[1] == i
+        and gemv_takes(x, w_gate_up)
+        and w_down.device == x.device  # the activation [1, I] @ w_down^T (made aligned and contiguous):
+        and w_down.dtype == x.dtype  # what gemv_takes asks of its operands
+        and w_down.stride(1) == 1
+        and 0 < i < 2**31 - _GEMV_STEP
+        and _gemv_vec_ok(x, w_gate_up)
+        and i % (16 // es) == 0
+        and w_down.data_ptr() % 16 == 0
+        and (n == 1 or w_down.stride(0) * es % 16 == 0)
+        and i % warps == 0
+        and n % (warps * c) == 0
+    )
+
+
+def gemv_mlp_add_rmsnorm(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP of one row and the residual add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): the gate|up
+    product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
+    projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
+    split as soon as its part of the activation is stored. The same bits as those two ops with those variants;
+    where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops."""
+    i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
+    fits = (
+        gemv_mlp_fits(x, w_gate_up, w_down, variant)
+        and gemv_kernels(x.device, x.dtype)[0]
+        and _cuda_ok(residual, weight)
+        and residual.shape == (1, n)
+        and residual.dtype == x.dtype
+        and residual.is_contiguous()
+        and weight.numel() == n
+        and n % (16 // x.element_size()) == 0
+    )
+    family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
+    c = int(family[-1]) if fits else 0
+    kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
+    ntiles = n // (warps * c) if fits else 0
+    cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
+    mcnt = _counters(x.device, ("gemv_mlp", w_down.data_ptr(), variant), 1 + splits) if cnt is not None else None
+    if mcnt is None:
+        gu = f"{family}.w{warps}.s1" if fits else None
+        return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, variant)
+    act = torch.empty((1, i), dtype=x.dtype, device=x.device)
+    part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    s = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    nw = weight.reshape(-1)
+    nw = nw.contiguous() if nw.dtype == torch.float32 else nw.float()
+    args = la.GemvMlpArgs(
+        x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
+        part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
+    )  # fmt: skip
+    grid = (i // warps + ntiles * splits,)
+    _launch_gemv(f"gemv_simt_m1_c{c}_mlp", x.dtype, x.device, grid, (warps * 32,), args)
+    return y, s
 
 
 def _gemv_main(

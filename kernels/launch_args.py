@@ -261,6 +261,15 @@ GemvSiluArgs = builder(
     *(f"gemv_simt_m{mb}_c2_sm" for mb in (1, 4, 8, 17)),
     *(f"gemv_tc_t{mt}_c{ct}_sm" for mt in (1, 2, 3) for ct in (1, 2)),
 )
+GemvMlpArgs = builder(
+    "GemvMlpArgs",
+    (
+        "ptr x, ptr wg, i64 wgs, ptr act, i32 I, i32 K, ptr wd, i64 wds, ptr part, i32 N, i32 kchunk, i32 S, "
+        "ptr r, ptr nw, ptr y, ptr s, ptr cnt, ptr mcnt, f32 eps"
+    ),
+    "gemv_simt_m1_c1_mlp",
+    "gemv_simt_m1_c2_mlp",
+)
 GemvCombineArgs = builder(
     "GemvCombineArgs",
     "ptr part, ptr out, i32 S, i32 MN",

@@ -26,6 +26,7 @@ synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 gemv_silu_mul = reference.gemv_silu_mul
+gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
 embed_rmsnorm = reference.embed_rmsnorm
 store_rows = reference.store_rows
@@ -124,6 +125,15 @@ def gemv_takes(x, w) -> bool:
     from . import cuda
 
     return cuda.gemv_takes(x, w)
+
+
+def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
+    """Whether gemv_mlp_add_rmsnorm makes the MLP of x in one launch with `variant` (with the CUDA kernels bound)."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
 
 
 def gemv_variants(m: int, n: int, k: int, dtype, device) -> list[str]:

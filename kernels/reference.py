@@ -467,6 +467,21 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     return silu_mul(gemv(x, w, variant))
 
 
+def gemv_mlp_add_rmsnorm(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP (packed gate|up [2 I, K], down [N, I]) and the residual add + norm after it: gemv_add_rmsnorm(
+    gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps) -> (rmsnorm(s), s). `variant` names the down
+    product's launch; the CUDA form makes all of it in one launch for one row."""
+    return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
+
+
 def argmax_prob(
     logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ NAMES = (
     "gemv",
     "gemv_add_rmsnorm",
     "gemv_silu_mul",
+    "gemv_mlp_add_rmsnorm",
     "mtp_prefc",
     "embed_rmsnorm",
     "store_rows",

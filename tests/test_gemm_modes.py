@@ -317,3 +317,74 @@ def test_the_fused_step_kernels_are_loaded_at_load_only_where_they_will_run(fake
     exact.mode = "exact"
     exact.prepare_rule([torch.randn(128, 32)], 64)
     assert loaded == [128]
+
+
+@pytest.fixture
+def fake_mlp(fake, monkeypatch):
+    """The one-launch MLP faked on top of `fake`: it fits one row; its calls recorded (the variant); "auto"'s
+    measurement picks simt2.w8.s4 for an activation wider than 64 columns, else the separate launches."""
+    monkeypatch.setattr(ops, "gemv_mlp_fits", lambda x, gu, down, variant: x.shape[0] == 1)
+
+    def one_launch(x, gu, down, r, nw, eps, variant=None):
+        fake["gemv"].append(("mlp", variant))
+        return ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(x, gu)), down), r, nw, eps)
+
+    monkeypatch.setattr(ops, "gemv_mlp_add_rmsnorm", one_launch)
+
+    def measure(self, pairs):
+        fake["measure"].append(("mlp", len(pairs)))
+        wide = pairs[0][0].shape[0] // 2 > 64
+        return ("simt2.w8.s4" if wide else "cublas"), {"cublas": 10.0, "simt2.w8.s4": 9.0 if wide else 11.0}
+
+    monkeypatch.setattr(GemvProducts, "_measure_mlp", measure)
+    return fake
+
+
+def _mlp_operands(i: int):
+    g = torch.Generator().manual_seed(i)
+    gu, down = torch.randn(2 * i, 32, generator=g), torch.randn(48, i, generator=g)
+    return gu, down, torch.randn(48, generator=g), torch.randn(48, generator=g) * 0.1
+
+
+def test_the_mlp_of_one_row_takes_one_launch_where_chosen(fake_mlp, monkeypatch):
+    """Mode "cupy": the one-launch MLP's default variant for one row, the separate launches (gate|up with its
+    activation, down with the add + norm) for more rows, the same numbers either way, and the choice in the labels.
+    Mode "exact": always the separate launches."""
+    gu, down, r, nw = _mlp_operands(96)
+    p = products("cupy")
+    p.tune_mlp([(gu, down)])
+    assert p.labels["48x96 m1 mlp"] == f"{gemm._MLP_DEFAULT} one launch with gate|up"
+    for rows in (1, 3):
+        x, res = torch.randn(rows, 32), r.expand(rows, 48).contiguous()
+        fake_mlp["gemv"].clear()
+        y, s = p.mlp_add_rmsnorm(x, gu, down, res, nw, 1e-6)
+        want_y, want_s = ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(x, gu)), down), res, nw, 1e-6)
+        assert torch.allclose(y, want_y, atol=1e-5) and torch.allclose(s, want_s, atol=1e-5), rows
+        one = [c for c in fake_mlp["gemv"] if isinstance(c, tuple) and c[0] == "mlp"]
+        assert one == ([("mlp", gemm._MLP_DEFAULT)] if rows == 1 else []), rows
+    monkeypatch.setattr(ops, "gemv_row_invariant", lambda n, k, dtype, device: "simt2.w4.s1")
+    exact = products("exact")
+    exact.tune_mlp([(gu, down)])
+    fake_mlp["gemv"].clear()
+    exact.mlp_add_rmsnorm(torch.randn(1, 32), gu, down, r[None], nw, 1e-6)
+    assert not any(isinstance(c, tuple) and c[0] == "mlp" for c in fake_mlp["gemv"])
+    assert not any(label.endswith(" mlp") for label in exact.labels)
+
+
+def test_auto_measures_the_mlp_once_caches_it_and_keeps_separate_launches_where_they_win(fake_mlp, tmp_path):
+    path = tmp_path / "gemm_tune.json"
+    wide, narrow = _mlp_operands(96), _mlp_operands(40)
+    pairs = [(wide[0], wide[1]), (wide[0].clone(), wide[1].clone()), (narrow[0], torch.randn(40, 40))]
+    p = products("auto", path)
+    p.tune_mlp(pairs)
+    assert fake_mlp["measure"] == [("mlp", 2), ("mlp", 1)]  # one measurement per down shape, with its pairs
+    assert p.labels["48x96 m1 mlp"] == "simt2.w8.s4 one launch with gate|up"
+    assert p.labels["40x40 m1 mlp"] == "separate launches"
+    again = products("auto", path)
+    again.tune_mlp(pairs)
+    assert again.measured == 0 and len(fake_mlp["measure"]) == 2 and again.labels == p.labels
+    fake_mlp["gemv"].clear()
+    again.mlp_add_rmsnorm(torch.randn(1, 32), narrow[0], pairs[2][1], torch.randn(1, 40), torch.randn(40), 1e-6)
+    assert not any(isinstance(c, tuple) and c[0] == "mlp" for c in fake_mlp["gemv"])  # separate launches
+    again.mlp_add_rmsnorm(torch.randn(1, 32), wide[0], wide[1], wide[2][None], wide[3], 1e-6)
+    assert ("mlp", "simt2.w8.s4") in fake_mlp["gemv"]

@@ -47,7 +47,16 @@ def cupy_engine(path):
 
 
 def _valid(choices: dict[str, str]) -> bool:
-    return bool(choices) and all(c == "cublas" or ops.parse_gemv_variant(c) for c in choices.values())
+    """Every product's choice is cuBLAS or a gemv variant; every MLP's ("... m1 mlp") its separate launches or a
+    variant's one launch."""
+    products = [c for label, c in choices.items() if not label.endswith(" mlp")]
+    mlps = [c for label, c in choices.items() if label.endswith(" mlp")]
+    one = " one launch with gate|up"
+    return (
+        bool(products)
+        and all(c == "cublas" or ops.parse_gemv_variant(c) for c in products)
+        and all(c == "separate launches" or (c.endswith(one) and ops.parse_gemv_variant(c[: -len(one)])) for c in mlps)
+    )
 
 
 def test_cupy_speculative_output_is_the_greedy_output_fp32(base, cupy_engine):
@@ -73,6 +82,9 @@ def test_cupy_choices_are_visible_and_nothing_fell_back(cupy_engine):
     assert all(c != "cublas" for c in choices.values())  # mode cupy: every 1..17-row product is a kernel
     h = cupy_engine.cfg.hidden_size
     assert any(label.startswith(f"{cupy_engine.cfg.vocab_size}x{h} ") for label in choices)  # the LM head
+    # the MLP of one row in one launch (the layers' and the MTP head's: one down shape)
+    inter = cupy_engine.model.w["layers.0.mlp.down_proj.weight"].shape[1]
+    assert choices[f"{h}x{inter} m1 mlp"] == "simt2.w8.s2 one launch with gate|up"
     assert ops.fallbacks().get("gemv", 0) == before
     assert ops.fallbacks().get("gemv_add_rmsnorm", 0) == before_fused  # the fused projection + add + norm ran
 

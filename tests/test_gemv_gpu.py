@@ -469,3 +469,93 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
             assert torch.equal(y, want) and torch.equal(state, state2) and torch.equal(conv, conv2), choice
     finally:
         ops.use_cuda_kernels(was)
+
+
+MLP_VARIANTS = [f"simt{c}.w{w}.s{s}" for c in (1, 2) for w in (4, 8) for s in (1, 2, 4)]
+
+
+def _launched(kc, fn):
+    """fn()'s result and the gemv module's kernels it launched, by name."""
+    launched, real = [], kc._launch_gemv
+    kc._launch_gemv = lambda name, *a, **kw: launched.append(name) or real(name, *a, **kw)
+    try:
+        return fn(), launched
+    finally:
+        kc._launch_gemv = real
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("i,k,n", [(12288, 4096, 4096), (1536, 1024, 1024), (260, 136, 120)])
+def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, i, k, n):
+    """The MLP of one row and the add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): for every variant it
+    takes, y and s bit for bit gemv_silu_mul (its warps, no K split) then gemv_add_rmsnorm (the variant), one
+    launch, close to the reference. (260, 136, 120): 260 columns are no whole number of 8-warp blocks (nor of bf16
+    vectors) and 120 no whole number of 16-column tiles, so those variants are the two ops, with the same bits."""
+    gu, down = weight(2 * i, k, dtype), weight(n, i, dtype)
+    x, r = rows(1, k, dtype, seed=5), rows(1, n, dtype, seed=6)
+    nw = torch.randn(n, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(7)) * 0.1
+    want_y, want_s = ref.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6)
+    fused = 0
+    for variant in MLP_VARIANTS:
+        family, warps, _ = kc.registry.parse_gemv_variant(variant)
+        whole = i % (16 // x.element_size()) == 0  # the activation is whole 16-byte vectors (down reads it so)
+        fits = whole and i % warps == 0 and n % (warps * int(family[-1])) == 0
+        assert kc.gemv_mlp_fits(x, gu, down, variant) == fits, variant
+        (y, s), names = _launched(kc, lambda v=variant: kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, v))
+        act = kc.gemv_silu_mul(x, gu, f"{family}.w{warps}.s1")
+        y2, s2 = kc.gemv_add_rmsnorm(act, down, r, nw, 1e-6, variant)
+        label = f"{i}x{k} then {n}x{i} {dtype} {variant}"
+        assert torch.equal(y, y2) and torch.equal(s, s2), label
+        assert (names == [f"gemv_simt_m1_c{family[-1]}_mlp"]) == fits, (label, names)
+        fused += fits
+        close(s, want_s, label + " s")
+        close(y, want_y, label + " y")
+    assert fused >= (4 if x.element_size() == 4 or i % 8 == 0 else 0)
+    # more than one row: the two ops (gemv_mlp_fits says no; gate|up on its default launch), the same bits as them
+    x3, r3 = rows(3, k, dtype, seed=8), rows(3, n, dtype, seed=9)
+    assert not kc.gemv_mlp_fits(x3, gu, down, "simt2.w4.s2")
+    y, s = kc.gemv_mlp_add_rmsnorm(x3, gu, down, r3, nw, 1e-6, "simt2.w4.s2")
+    y2, s2 = kc.gemv_add_rmsnorm(kc.gemv_silu_mul(x3, gu), down, r3, nw, 1e-6, "simt2.w4.s2")
+    assert torch.equal(y, y2) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
+    """Launches of the one-launch MLP on the same weights follow one another (the MTP head's MLP, draft step after
+    draft step), each taking its blocks' tickets from the same counter, with PDL letting the next one start before
+    this one is done: a captured chain of four, replayed with new inputs and between eager chains, gives the eager
+    chain's bits every time, for several variants."""
+    i, k, dtype = 3072, 1024, torch.bfloat16
+    gu, down = weight(2 * i, k, dtype), weight(k, i, dtype)
+    nw = torch.randn(k, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(3)) * 0.1
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+
+    def chain(x, r, variant):
+        out = []
+        for _ in range(4):
+            x, r = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, variant)
+            out += [x, r]
+        return out
+
+    try:
+        for variant in ("simt2.w8.s2", "simt1.w4.s4", "simt2.w4.s1"):
+            x_in, r_in = rows(1, k, dtype, seed=1), rows(1, k, dtype, seed=2)
+            chain(x_in, r_in, variant)  # eager first: the counters are made outside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    outs = chain(x_in, r_in, variant)
+            torch.cuda.current_stream().wait_stream(stream)
+            for seed in range(3, 7):
+                x, r = rows(1, k, dtype, seed=seed), rows(1, k, dtype, seed=seed + 100)
+                x_in.copy_(x)
+                r_in.copy_(r)
+                graph.replay()
+                want = chain(x, r, variant)
+                torch.cuda.synchronize()
+                assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), (variant, seed)
+    finally:
+        kc.set_pdl(False)

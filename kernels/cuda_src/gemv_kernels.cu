@@ -27,6 +27,9 @@
 //           each output column's gate row n and up row n + I are summed by one warp (CUDA cores, C = 2) or one
 //           tile (tensor cores: gate in tile rows 16 ct + g, up in 16 ct + 8 + g), exactly as the plain form sums
 //           them, then silu_mul's arithmetic on the two rounded sums; no K split.
+//  ..._mlp  (GemvMlpArgs, one row, CUDA cores) the MLP and the add + norm after it in one launch (op
+//           gemv_mlp_add_rmsnorm): the _sm code for the activation, then the _an code for the down product, its
+//           blocks ordered by tickets and waiting for their K split's part of the activation (see there).
 //  gemv_simt_m{MB}_c{C}   CUDA cores, any dtype. Each warp owns C consecutive output columns and its K range;
 //                         lanes stream the W rows with 16-byte loads (vec_ok) or scalar loads (otherwise),
 //                         read the x rows (L1/L2-resident) at the same offsets, FMA in fp32 and reduce with
@@ -194,6 +197,9 @@ __device__ __forceinline__ uint4 gv_pack(const float* f) {
 // The fused epilogue's operands (the _an kernels): residual r [M, N] at row stride rs, the norm's fp32
 // weight nw [N], outputs y = rmsnorm(s) and s = product + r ([M, N] contiguous), the launch's counters cnt
 // (one for the launch, one per column tile, then one for the rows' norms; zero between launches), eps.
+// tile, ntiles: the block's column tile and the tiles of the product (tile < 0: blockIdx.x, gridDim.x); zero,
+// nzero: more counters the launch's last block leaves at zero, and ticket: one it takes gridDim.x off (the MLP
+// form's chunk counters and ticket counter).
 struct GvEpi {
     const scalar_t* r;
     long long rs;
@@ -202,6 +208,11 @@ struct GvEpi {
     scalar_t* s;
     int* cnt;
     float eps;
+    int tile = -1;
+    int ntiles = 0;
+    int* zero = nullptr;
+    int nzero = 0;
+    int* ticket = nullptr;
 };
 
 // The sum of v over the block, in a fixed order (lanes, then warps in order); every thread gets it.
@@ -272,7 +283,7 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
                                             int cols, const GvEpi& e) {
     __shared__ int gv_flag;
     __shared__ float gv_sh[GV_MAX_WARPS];
-    const int tile = blockIdx.x, ntiles = gridDim.x;
+    const int tile = e.tile >= 0 ? e.tile : (int)blockIdx.x, ntiles = e.tile >= 0 ? e.ntiles : (int)gridDim.x;
     if (S > 1 && !gv_last_in(e.cnt + 1 + tile, S, &gv_flag)) return;  // the tile's last split goes on
     if (S == 1) __syncthreads();  // the block's own partials
     // The tile's splits added in split order, rounded once (gemv_combine), then s = product + residual.
@@ -309,7 +320,11 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         __syncthreads();
     } else {
         if (arrived != ntiles - 1) return;
-        if (threadIdx.x == 0) *e.cnt = 0;
+        if (threadIdx.x == 0) {
+            *e.cnt = 0;
+            for (int i = 0; i < e.nzero; ++i) e.zero[i] = 0;
+            if (e.ticket != nullptr) atomicSub(e.ticket, (int)gridDim.x);
+        }
     }
     // Every row of s is complete. The whole block a row: its sum of squares (each thread's vectors in order, then
     // gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w), add_rmsnorm's
@@ -345,6 +360,8 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         if (old == M - 1) {
             e.cnt[1 + ntiles] = 0;
             *e.cnt = 0;
+            for (int i = 0; i < e.nzero; ++i) e.zero[i] = 0;
+            if (e.ticket != nullptr) atomicSub(e.ticket, (int)gridDim.x);
         }
     }
 }
@@ -375,7 +392,8 @@ __device__ __forceinline__ scalar_t gv_silu_mul(float gate, float up) {
 
 // One batch of U vectors of each of the C rows at vectors v, v + 32, ... into acc (the order of k per lane
 // is the same whatever U is: vectors in increasing order).
-template <int MB, int C, int U>
+// CGX: x was stored by other blocks of this launch (the MLP form's activation): read past L1.
+template <int MB, int C, int U, bool CGX = false>
 __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (&wv)[U][C],
                                               const scalar_t* __restrict__ x, long long xs, int M, int v) {
 #pragma unroll
@@ -387,7 +405,8 @@ __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (
         for (int m = 0; m < MB; ++m) {
             if (m < M) {
                 float xf[GV_VEC];
-                gv_unpack(gv_ld_x(x + m * xs + (long long)(v + u * 32) * GV_VEC), xf);
+                const scalar_t* xp = x + m * xs + (long long)(v + u * 32) * GV_VEC;
+                gv_unpack(CGX ? gv_ld_cg(xp) : gv_ld_x(xp), xf);
 #pragma unroll
                 for (int c = 0; c < C; ++c)
 #pragma unroll
@@ -406,15 +425,17 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
         for (int c = 0; c < C; ++c) wv[u][c] = gv_ld_w(wr[c] + (long long)(v + u * 32) * GV_VEC);
 }
 
-// The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N.
-template <int MB, int C, bool SM>
+// The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N. split: the K split
+// (blockIdx.y where negative). wait_at: after the PDL wait, lane 0 also waits until *wait_at >= wait_for (the MLP form:
+// the activation's K range of this split stored by the launch's other blocks), x then read with CGX loads.
+template <int MB, int C, bool SM, bool CGX = false>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
-                                             long long n0) {
+                                             long long n0, int split, const int* wait_at, int wait_for) {
     constexpr int U = C == 1 ? 4 : 2;  // 16-byte W loads in flight per lane: U * C = 4
     const int lane = threadIdx.x & 31;
-    const int s = blockIdx.y;
+    const int s = split >= 0 ? split : (int)blockIdx.y;
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const scalar_t* wr[C];
@@ -439,21 +460,25 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);
         PDL_WAIT();
+        if (wait_at != nullptr) {
+            if (lane == 0) gv_wait_count(wait_at, wait_for);
+            __syncwarp();
+        }
         if (pre) {
-            gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
             v += U * 32;
         }
         for (; v + (U - 1) * 32 < v1; v += U * 32) {
             gv_ld_w_batch<U, C>(wv, wr, v);
-            gv_simt_batch<MB, C, U>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
         }
         for (; v < v1; v += 32) {
             uint4 w1[1][C];
             gv_ld_w_batch<1, C>(w1, wr, v);
-            gv_simt_batch<MB, C, 1>(acc, w1, x, xs, M, v);
+            gv_simt_batch<MB, C, 1, CGX>(acc, w1, x, xs, M, v);
         }
     } else {
-        PDL_WAIT();
+        PDL_WAIT();  // (the MLP form needs vec_ok: kernels/cuda.py checks)
         for (int k = k0 + lane; k < k1; k += 32) {
             float wf[C];
 #pragma unroll
@@ -492,18 +517,20 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 // EPI: the fused add + norm after the product (gv_add_norm; part given, out unused). SM: the activation form
 // (one output column a warp).
 // bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
-template <int MB, int C, bool EPI, bool SM>
+// split, S, wait_at, wait_for: the MLP form's (see gv_simt_cols; split < 0: blockIdx.y of gridDim.y splits).
+template <int MB, int C, bool EPI, bool SM, bool CGX = false>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                        int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx) {
+                                        int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx,
+                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0) {
     const int nw = blockDim.x >> 5;
     constexpr int OC = SM ? 1 : C;  // output columns a warp
     const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
-        gv_simt_cols<MB, C, SM>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0);
+        gv_simt_cols<MB, C, SM, CGX>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at, wait_for);
     else
         PDL_WAIT();
-    if (EPI) gv_add_norm(part, gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
+    if (EPI) gv_add_norm(part, split >= 0 ? S : (int)gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
 }
 
 #define GEMV_SIMT(GV_MB, GV_C)                                                                                    \
@@ -532,6 +559,60 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         PDL_TRIGGER();                                                                                            \
         gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{}, blockIdx.x);    \
     }
+
+// ---- the MLP of one row in one launch (op gemv_mlp_add_rmsnorm) ------------------------------------------
+// gemv_simt_m1_c{C}_mlp (GemvMlpArgs): act [1, I] = silu_mul of the packed gate|up product x @ Wg^T (Wg [2 I, K],
+// gemv_simt_m1_c2_sm's code: a warp a column), then the down projection act @ Wd^T (Wd [N, I], gemv_simt_m1_c{C}'s
+// code in S K splits of kchunk) with the residual add and norm (gv_add_norm, as gemv_simt_m1_c{C}_an): the same
+// bits as gemv_silu_mul then gemv_add_rmsnorm with those variants, in one launch instead of two or three.
+//  - Each block takes a ticket at mcnt[0] (an atomic, before anything else, even PDL_TRIGGER): its role is the ticket
+//    modulo the launch's blocks G. Roles [0, I / warps) make the activation's columns (role t: columns [t warps,
+//    (t + 1) warps)), the rest the down product, split by split (role ngu + sp ntiles + tile: column tile `tile` of
+//    split sp), so every split-0 tile comes first. The ticket is the one thing touched before the PDL wait: a later
+//    launch of the same kernel on the same counters (the MTP head's MLP, draft step after draft step) can take
+//    tickets before this one is done, but only once every block of this one has taken its ticket and triggered (so
+//    its tickets follow all of ours); this launch's last block takes G off the counter (not a reset), which leaves
+//    the tickets already taken by the next launch valid modulo G.
+//  - An activation block, once its columns are stored, counts in at the chunk counter mcnt[1 + c] of each K split c
+//    its columns fall in (release). A down block issues its first W loads, waits for the previous kernel (PDL),
+//    then each warp's lane 0 until its split's chunk counter has every activation block of that K range (acquire),
+//    and reads the activation past L1.
+//  - Deadlock-free in any scheduling order: a block waits only for blocks of lower tickets, which had started
+//    when it took its ticket and never wait themselves. The launch's last block (gv_add_norm's) leaves mcnt at zero
+//    with the _an counters cnt (G off mcnt[0]); needs I a multiple of the warps, N of warps * C (kernels/cuda.py
+//    checks), and the counters of one launch shape (kernels/cuda.py keys them by the variant too).
+#define GEMV_SIMT_MLP(GV_C)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m1_c##GV_C##_mlp(                   \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
+        int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
+        const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
+        __shared__ int s_ticket;                                                                                  \
+        if (threadIdx.x == 0) s_ticket = atomicAdd(mcnt, 1) % (int)gridDim.x;                                     \
+        __syncthreads();                                                                                          \
+        PDL_TRIGGER();                                                                                            \
+        const int t = s_ticket, warps = blockDim.x >> 5, ngu = I / warps;                                        \
+        if (t < ngu) {                                                                                            \
+            gv_simt<1, 2, false, true>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);                   \
+            __syncthreads(); /* the block's columns are stored */                                                 \
+            if (threadIdx.x == 0) {                                                                               \
+                const int lo = t * warps, hi = lo + warps;                                                        \
+                for (int c = lo / kchunk; c <= (hi - 1) / kchunk && c < S; ++c)                                   \
+                    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt + 1 + c) : "memory");      \
+            }                                                                                                     \
+            return;                                                                                               \
+        }                                                                                                         \
+        const int d = t - ngu, ntiles = N / (warps * GV_C), tile = d % ntiles, sp = d / ntiles;                  \
+        const int lo = sp * kchunk, hi = I < lo + kchunk ? I : lo + kchunk;                                       \
+        GvEpi e{r, N, nw, y, s, cnt, eps};                                                                        \
+        e.tile = tile;                                                                                            \
+        e.ntiles = ntiles;                                                                                        \
+        e.zero = mcnt + 1;                                                                                        \
+        e.nzero = S;                                                                                              \
+        e.ticket = mcnt;                                                                                          \
+        gv_simt<1, GV_C, true, false, true>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,  \
+                                            mcnt + 1 + sp, (hi - 1) / warps - lo / warps + 1);                    \
+    }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
@@ -543,6 +624,8 @@ GEMV_SIMT(17, 1)
 GEMV_SIMT(17, 2)
 GEMV_SIMT_SM(1)
 GEMV_SIMT_SM(4)
+GEMV_SIMT_MLP(1)
+GEMV_SIMT_MLP(2)
 GEMV_SIMT_SM(8)
 GEMV_SIMT_SM(17)
 #endif
