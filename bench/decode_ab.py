@@ -5,6 +5,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
+                              [--norm-bound] [--mlp-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -18,6 +19,9 @@ speculative (depth 3, chain, synthetic acceptance) in gemm mode "exact", whose v
 variant's fused add + norm form at 4 rows. --fold-min-keys: decode attention alone (T = 1 and 4, 128..32k keys)
 and 9B-like target-only with the least keys a split takes (kernels.cuda._ATT_FOLD_MIN_KEYS and its _ONE_ROW, both
 set) at each value, in one process, the list twice (each run a new session: its plans captured with that value).
+--norm-bound: 9B-like target-only as is against the 64 add + norm epilogues of a token left out (a bound on any
+design that moves the norm out of the projection before it). --mlp-ab: each model target-only (gemm auto) with the
+MLP of one row as auto chose, in its separate launches, and in one launch with the fastest variant auto timed.
 """
 
 from __future__ import annotations
@@ -90,6 +94,16 @@ def main() -> int:
         action="store_true",
         help="9B-like speculative with auto's choices timed with the add + norm epilogue and without, interleaved",
     )
+    ap.add_argument(
+        "--mlp-ab",
+        action="store_true",
+        help="9B-like target-only with the MLP of one row in one launch and in the launches it replaces",
+    )
+    ap.add_argument(
+        "--norm-bound",
+        action="store_true",
+        help="9B-like target-only as is against the add + norm epilogues left out (a bound, not a model)",
+    )
     ap.add_argument("--fold-min-keys", default=None, help="comma list of _ATT_FOLD_MIN_KEYS values to compare")
     ap.add_argument(
         "--exact",
@@ -130,6 +144,10 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         norm_ab(eng, a)
     if a.one_launch_ab:
         one_launch_ab(eng, a)
+    if a.norm_bound:
+        norm_bound(eng, a)
+    if a.mlp_ab:
+        mlp_ab(eng, a)
     if a.fold_min_keys:
         fold_min_keys_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
@@ -198,6 +216,71 @@ def one_launch_ab(eng: Engine, a: argparse.Namespace) -> None:
     g.choices = auto
 
 
+def mlp_ab(eng: Engine, a: argparse.Namespace, what: str = "9B-like") -> None:
+    """Target-only decode (the 9B-like model, or `what`) with the MLP of one row in one launch (Model.fuse_mlp, auto's variant; its
+    timings against the launches it replaces printed) and in those launches, interleaved, with the launches a
+    token takes; each run a new session (its plans captured with the setting)."""
+    m, g = eng.model, eng.model._gemv
+    auto = dict(g.mlp_choices)
+    forced = dict(auto)
+    for (n, k, b), times in g.timings.items():
+        if b == -1:
+            shown = ", ".join(f"{c} {t:.2f}" for c, t in sorted(times.items(), key=lambda ct: ct[1]))
+            print(f"{what} {n}x{k} m1 mlp: auto {auto.get((n, k))}; us {shown}")
+            one = [c for c in times if c != "cublas"]
+            if one:
+                forced[(n, k)] = min(one, key=times.get)
+    target = EngineSettings(speculative=False, plan_pool=8)
+    cells = [(True, auto, "MLP as auto chose"), (False, auto, "MLP separate launches")]
+    if forced != auto:
+        cells.append((True, forced, "MLP one launch, " + ", ".join(sorted(set(forced.values())))))
+    for fused, choices, tag in cells * 2:
+        m.fuse_mlp = fused
+        g.mlp_choices = dict(choices)
+        tps, _ = median_tps(eng, target, a.n, a.reps)
+        print(f"{what} target-only, gemm auto [{tag}]: {tps:.1f} t/s")
+        print(f"{what} launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
+    m.fuse_mlp = True
+    g.mlp_choices = auto
+
+
+def norm_bound(eng: Engine, a: argparse.Namespace) -> None:
+    """What the 64 fused add + norm epilogues of a 9B-like token cost at most: target-only as the model runs
+    against the projections before them made alone (their output taken as the next layer's input, the residual
+    left as it was: wrong numbers, the same loads), with auto's choice and with the fastest unsplit variant of
+    auto's timings, interleaved. An upper bound for any design that moves the norm out of the producer."""
+    from kernels import ops
+
+    m, g = eng.model, eng.model._gemv
+    auto = dict(g.choices)
+    unsplit = dict(auto)
+    for (n, k, b), times in g.timings.items():
+        if b == 0 and g.epilogues.get((n, k)) == "norm":
+            s1 = [c for c in times if ops.parse_gemv_variant(c) and ops.parse_gemv_variant(c)[2] == 1]
+            if s1:
+                unsplit[(n, k, b)] = min(s1, key=times.get)
+                print(
+                    f"{n}x{k} m1: auto {auto[(n, k, b)]}, unsplit {unsplit[(n, k, b)]} ({times[unsplit[(n, k, b)]]:.2f} us with the norm)"
+                )
+    target = EngineSettings(speculative=False, plan_pool=8)
+
+    def alone(x, w, residual, norm_weight, eps):
+        return g(x, w), residual
+
+    cells = (("as is", None, auto), ("products alone", alone, auto), ("products alone, unsplit", alone, unsplit))
+    for tag, patch, choices in cells * 2:
+        g.choices = dict(choices)
+        if patch is None:
+            m.__dict__.pop("proj_add_norm", None)
+        else:
+            m.proj_add_norm = patch
+        tps, _ = median_tps(eng, target, a.n, a.reps)
+        print(f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s")
+        print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
+    m.__dict__.pop("proj_add_norm", None)
+    g.choices = auto
+
+
 def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     from attention_sweep import per_call_us
 
@@ -242,7 +325,11 @@ def bundled(a: argparse.Namespace) -> None:
             tps, drafted = median_tps(tiny, spec, a.n, a.reps)
             print(f"bundled spec depth 5 chain{tag}: {tps:.1f} t/s (tokens as target-only: {drafted == plain})")
             print(f"bundled launches per token, target-only{tag}: {launches_per_token(tiny, target):.1f}")
-    if a.rule_ab:
+    if a.mlp_ab:
+        with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+            tiny.model.set_gemm("auto", cache_dir=cache)
+        mlp_ab(tiny, a, "bundled")
+    if a.rule_ab or a.mlp_ab:
         print("bundled auto's choices: " + ", ".join(f"{k} {v}" for k, v in tiny.model.gemm_choices.items()))
     tiny.close()
 
