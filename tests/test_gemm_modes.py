@@ -334,7 +334,8 @@ def fake_mlp(fake, monkeypatch):
     def measure(self, pairs):
         fake["measure"].append(("mlp", len(pairs)))
         wide = pairs[0][0].shape[0] // 2 > 64
-        return ("simt2.w8.s4" if wide else "cublas"), {"cublas": 10.0, "simt2.w8.s4": 9.0 if wide else 11.0}
+        times = {"cublas": 10.0, "simt2.w8.s4": 8.0 if wide else 11.0}
+        return gemm.pick_mlp(times), times
 
     monkeypatch.setattr(GemvProducts, "_measure_mlp", measure)
     return fake
@@ -388,3 +389,12 @@ def test_auto_measures_the_mlp_once_caches_it_and_keeps_separate_launches_where_
     assert not any(isinstance(c, tuple) and c[0] == "mlp" for c in fake_mlp["gemv"])  # separate launches
     again.mlp_add_rmsnorm(torch.randn(1, 32), wide[0], wide[1], wide[2][None], wide[3], 1e-6)
     assert ("mlp", "simt2.w8.s4") in fake_mlp["gemv"]
+
+
+def test_the_one_launch_mlp_must_win_by_its_margin():
+    """auto keeps the separate launches unless the one-launch MLP times _MLP_MARGIN faster (its back-to-back timing
+    flatters it against a decode step), and where nothing one-launch was timed."""
+    margin = gemm._MLP_MARGIN
+    assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin) - 0.01, "tc1.w8.s2": 9.5}) == "simt2.w8.s4"
+    assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin / 2)}) == "cublas"
+    assert gemm.pick_mlp({"cublas": 10.0}) == "cublas"
