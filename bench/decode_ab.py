@@ -270,6 +270,7 @@ def norm_bound(eng: Engine, a: argparse.Namespace) -> None:
     cells = (("as is", None, auto), ("products alone", alone, auto), ("products alone, unsplit", alone, unsplit))
     for tag, patch, choices in cells * 2:
         g.choices = dict(choices)
+        m.fuse_mlp = patch is None  # the MLP's down product then goes through proj_add_norm too
         if patch is None:
             m.__dict__.pop("proj_add_norm", None)
         else:
@@ -278,6 +279,7 @@ def norm_bound(eng: Engine, a: argparse.Namespace) -> None:
         print(f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s")
         print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     m.__dict__.pop("proj_add_norm", None)
+    m.fuse_mlp = True
     g.choices = auto
 
 

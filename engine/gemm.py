@@ -92,7 +92,8 @@ _MLP_LABEL = "m1 mlp"  # the cache's bucket label of the choice ("cublas" there:
 # The one launch is taken only where it times this fraction faster than the separate launches: the back-to-back timing
 # hides its tail (the last down blocks' norm) behind the next MLP's early start, which a decode step does not (the
 # delta-net's in_proj follows). On the H200 (bench/results/h200-mlp-one-launch-2026-12-02.txt) the timing put the one
-# launch 4.0% ahead in one run and 1.6% behind in another, while decode was 1.1% and 2.4% slower with it.
+# launch 4.0% and 6.7% ahead in two runs and 1.6% behind in another, while decode was 1.1-2.4% slower with it every
+# time (the separate launches' own timing moved by 9% between runs: a margin, not a tie-break).
 _MLP_MARGIN = 0.10
 
 _compiled = None
@@ -237,14 +238,15 @@ class GemvProducts:
         found = self.mlp_choices.get(key)
         if found is not None:
             return found if ops.gemv_mlp_fits(x, w_gate_up, w_down, found) else "cublas"
-        if self.mode == "cupy":
-            found = _MLP_DEFAULT if ops.gemv_mlp_fits(x, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
+        if self.mode == "cupy":  # the default where the shapes take it (an aligned row: x's own address aside)
+            row = torch.empty((1, w_gate_up.shape[1]), dtype=self.dtype, device=self.device)
+            found = _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
         elif torch.cuda.is_current_stream_capturing():
             return "cublas"
         else:
             found = self._tuned_mlp([(w_gate_up, w_down)])
         self.mlp_choices[key] = found
-        return found
+        return found if ops.gemv_mlp_fits(x, w_gate_up, w_down, found) else "cublas"
 
     def tune_mlp(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Choose the one-launch MLP per down shape now (the model's (gate|up, down) pairs), after tune()."""
@@ -407,7 +409,7 @@ class GemvProducts:
         gu, down = pairs[0]
         i, n = gu.shape[0] // 2, down.shape[0]
         each = gu.numel() * gu.element_size() + down.numel() * down.element_size()
-        ws = list(pairs[:_TUNE_MAX_WEIGHTS])
+        ws = self._distinct(pairs, each, lambda pair: (pair[0].clone(), pair[1].clone()))
         count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
         calls = [ws[j % len(ws)] for j in range(count)]
         g = torch.Generator(device=self.device).manual_seed(n * 7919 + i * 31 + 1)
@@ -444,13 +446,17 @@ class GemvProducts:
     def _weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """Distinct tensors to cycle through: the model's, plus clones until they pass ~3 x L2 (at most
         _TUNE_CLONE_BYTES of clones), so a timing reads memory rather than L2."""
-        ws = list(weights[:_TUNE_MAX_WEIGHTS])
+        return self._distinct(weights, weights[0].numel() * weights[0].element_size(), lambda t: t.clone())
+
+    def _distinct(self, items: list, each: int, clone) -> list:
+        """_weights for any operands (each of `each` bytes, copied by `clone`): the given ones, plus clones of
+        the first until they pass ~3 x L2 (at most _TUNE_CLONE_BYTES of clones, _TUNE_MAX_WEIGHTS in all)."""
+        ws = list(items[:_TUNE_MAX_WEIGHTS])
         l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20) or (64 << 20)
-        each = ws[0].numel() * ws[0].element_size()
         cloned = 0
         while len(ws) < _TUNE_MAX_WEIGHTS and each * len(ws) < 3 * l2 and cloned + each <= _TUNE_CLONE_BYTES:
             try:
-                ws.append(ws[0].clone())
+                ws.append(clone(ws[0]))
             except torch.OutOfMemoryError:
                 break
             cloned += each

@@ -238,7 +238,8 @@ class Model:
         return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        """The MLP up to its down projection (which proj_add_norm makes). With a gemv kernel making the gate|up
+        """The MLP up to its down projection (which mlp_add_norm makes, through proj_add_norm where the MLP is not
+        one launch). With a gemv kernel making the gate|up
         product, the activation is in the same launch (the same bits as the product then silu_mul)."""
         w = self.w[p + "mlp.gate_up_packed"]
         if self._gemv is not None:

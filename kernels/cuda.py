@@ -1924,6 +1924,8 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     es = x.element_size()
     return (
         w_down.shape[1] == i
+        and n > 0
+        and n % (16 // es) == 0  # the norm's rows are whole 16-byte vectors (as gemv_add_rmsnorm asks)
         and gemv_takes(x, w_gate_up)
         and w_down.device == x.device  # the activation [1, I] @ w_down^T (made aligned and contiguous):
         and w_down.dtype == x.dtype  # what gemv_takes asks of its operands
@@ -1961,7 +1963,6 @@ def gemv_mlp_add_rmsnorm(
         and residual.dtype == x.dtype
         and residual.is_contiguous()
         and weight.numel() == n
-        and n % (16 // x.element_size()) == 0
     )
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
     c = int(family[-1]) if fits else 0

@@ -15,9 +15,11 @@ eager launches keep CuPy's faster path. The engine turns it on for every model o
 (engine/model.py PDL_DEFAULT; the model option "pdl" turns it off); `kernels.cuda.set_pdl` is the switch
 (bench/gpu_bench.py's section `pdl` measures both in one run). Needs no GPU to import.
 
-The gemv products (cuda_src/gemv_kernels.cu) are the one exception to "nothing before the wait": they issue
-their first weight loads between PDL_TRIGGER() and PDL_WAIT(), since no kernel of a decode step writes a
-weight; with the attribute those loads are in flight while the kernel before drains.
+The gemv products (cuda_src/gemv_kernels.cu) are the exception to "nothing before the wait": they issue their
+first weight loads between PDL_TRIGGER() and PDL_WAIT(), since no kernel of a decode step writes a weight; with
+the attribute those loads are in flight while the kernel before drains. Their one-launch MLP form also takes each
+block's ticket (an atomic on its launch site's own counter) before PDL_TRIGGER(); gemv_kernels.cu says why that is
+safe.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def test_every_kernel_opens_with_pdl_enter():
     its PDL_ENTER() (griddepcontrol.wait) makes that safe, so it must come before anything else in every kernel,
     including the ones stamped out by macros. The gemv products alone open with PDL_TRIGGER() instead: they load
     their first W vectors (weights, which no kernel writes) before their PDL_WAIT(), and nothing else: before
-    the first wait in each of their bodies there is no read of x and no store."""
+    the first wait in each of their bodies there is no read of x and no store. The one-launch MLP forms take
+    their block's ticket (an atomic on their launch site's own counter) before PDL_TRIGGER(), and nothing else."""
     missing, triggered, ticketed = [], [], []
     # the one-launch MLP takes its ticket first (gemv_kernels.cu says why), then triggers; nothing else before
     ticket = r"\s*\{\s*__shared__ int s_ticket;\s*if \(threadIdx.x == 0\) s_ticket = atomicAdd\(mcnt, 1\)[^;]*;\s*"

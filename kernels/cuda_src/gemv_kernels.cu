@@ -45,13 +45,16 @@
 
 // Programmatic dependent launch (kernels/pdl.py): every kernel opens with PDL_ENTER(): let the next kernel of
 // the stream be scheduled, then wait until the previous kernel has completed and its writes are visible. No
-// kernel touches global memory before it. Without the launch attribute (or before sm_90) both do nothing.
+// kernel touches global memory before it (but the products below, and the MLP form's ticket, see there). Without
+// the launch attribute (or before sm_90) both do nothing.
 //
 // The products themselves (gemv_simt_*, gemv_tc_*, their _an and _sm forms) split it: PDL_TRIGGER() first, then
 // each thread issues its first batch of W loads, and only then PDL_WAIT(), before any read of x or write of
 // out, part, counters. W is a weight, which no kernel of a decode step writes, so reading it before the
 // previous kernel is done is safe; with the launch attribute those loads are in flight while the previous
-// kernel drains (the memory pipe is not left idle at the boundary). Nothing else is touched before the wait.
+// kernel drains (the memory pipe is not left idle at the boundary). Nothing else is touched before the wait,
+// but in the MLP form (..._mlp) each block's ticket, an atomic on a counter of its own launch site taken before
+// PDL_TRIGGER() (see there for why that is safe).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_ENTER() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
