@@ -238,9 +238,8 @@ class GemvProducts:
         found = self.mlp_choices.get(key)
         if found is not None:
             return found if ops.gemv_mlp_fits(x, w_gate_up, w_down, found) else "cublas"
-        if self.mode == "cupy":  # the default where the shapes take it (an aligned row: x's own address aside)
-            row = torch.empty((1, w_gate_up.shape[1]), dtype=self.dtype, device=self.device)
-            found = _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
+        if self.mode == "cupy":
+            found = self._default_mlp(w_gate_up, w_down)
         elif torch.cuda.is_current_stream_capturing():
             return "cublas"
         else:
@@ -262,14 +261,17 @@ class GemvProducts:
                 key = (down.shape[0], down.shape[1])
                 if key in self.mlp_choices:
                     continue
-                if self.mode == "auto":
-                    self.mlp_choices[key] = self._tuned_mlp(same)
-                else:
-                    self.mlp_choice(torch.empty((1, gu.shape[1]), dtype=self.dtype, device=self.device), gu, down)
+                self.mlp_choices[key] = self._tuned_mlp(same) if self.mode == "auto" else self._default_mlp(gu, down)
         finally:
             self._tuning = False
             if self.cache is not None:
                 self.cache.save()
+
+    def _default_mlp(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
+        """Mode "cupy"'s one-launch MLP choice for these shapes: _MLP_DEFAULT where they take it (checked on an
+        aligned row: a call's own row is checked at the call), else "cublas"."""
+        row = torch.empty((1, w_gate_up.shape[1]), dtype=self.dtype, device=self.device)
+        return _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
 
     def conv_delta_rule_norm(
         self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
@@ -356,21 +358,28 @@ class GemvProducts:
     def _tuned(self, b: int, n: int, k: int, weights: list[torch.Tensor]) -> str:
         epilogue = self.epilogues.get((n, k))
         label = bucket_label(b) + (f" {epilogue}" if epilogue else "")
-        key = cache_key(self.gpu, self.dtype, n, k, label, self.version)
+        return self._cached_or_measured(
+            cache_key(self.gpu, self.dtype, n, k, label, self.version),
+            (n, k, b),
+            lambda: self._measure(ROW_BUCKETS[b][1], n, k, weights, epilogue),
+            f"{n}x{k} {bucket_label(b)}",
+            "using cuBLAS for it",
+        )
+
+    def _cached_or_measured(self, key: str, timing_key: tuple, measure, what: str, instead: str) -> str:
+        """The choice cached under `key`, else measure() -> (choice, times): kept in `timings` under timing_key and
+        in the cache (written at once for a shape met after the load). A failed measurement is a warning naming
+        `what` and `instead`, and "cublas" (what a failure leaves: cuBLAS, or the MLP's separate launches)."""
         cached = self.cache.get(key)
         if cached is not None:
             return cached
         try:
-            choice, times = self._measure(ROW_BUCKETS[b][1], n, k, weights, epilogue)
-        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: cuBLAS
-            warnings.warn(
-                f"gemm auto: measuring {n}x{k} {bucket_label(b)} failed ({type(exc).__name__}: {exc}); "
-                "using cuBLAS for it",
-                stacklevel=2,
-            )
+            choice, times = measure()
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model
+            warnings.warn(f"gemm auto: measuring {what} failed ({type(exc).__name__}: {exc}); {instead}", stacklevel=3)
             return "cublas"
         self.measured += 1
-        self.timings[(n, k, b)] = times
+        self.timings[timing_key] = times
         self.cache.put(key, choice, times)
         if not self._tuning:
             self.cache.save()  # a shape met after the load is written at once
@@ -381,26 +390,13 @@ class GemvProducts:
         gu, down = pairs[0]
         n, k = down.shape
         label = f"{_MLP_LABEL} {gu.shape[0]}x{gu.shape[1]} margin {_MLP_MARGIN}"
-        key = cache_key(self.gpu, self.dtype, n, k, label, self.version)
-        cached = self.cache.get(key) if self.cache is not None else None
-        if cached is not None:
-            return cached
-        try:
-            choice, times = self._measure_mlp(pairs)
-        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop the model: the launches it replaces
-            warnings.warn(
-                f"gemm auto: measuring the one-launch MLP for {n}x{k} failed ({type(exc).__name__}: {exc}); "
-                "the MLP keeps its separate launches",
-                stacklevel=2,
-            )
-            return "cublas"
-        self.measured += 1
-        self.timings[(n, k, -1)] = times
-        if self.cache is not None:
-            self.cache.put(key, choice, times)
-            if not self._tuning:
-                self.cache.save()
-        return choice
+        return self._cached_or_measured(
+            cache_key(self.gpu, self.dtype, n, k, label, self.version),
+            (n, k, -1),
+            lambda: self._measure_mlp(pairs),
+            f"the one-launch MLP for {n}x{k}",
+            "the MLP keeps its separate launches",
+        )
 
     def _measure_mlp(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[str, dict[str, float]]:
         """(fastest, us per call of each) of the one-launch MLP's variants against "cublas" (the gate|up and down
@@ -409,9 +405,7 @@ class GemvProducts:
         gu, down = pairs[0]
         i, n = gu.shape[0] // 2, down.shape[0]
         each = gu.numel() * gu.element_size() + down.numel() * down.element_size()
-        ws = self._distinct(pairs, each, lambda pair: (pair[0].clone(), pair[1].clone()))
-        count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
-        calls = [ws[j % len(ws)] for j in range(count)]
+        calls = self._timed_calls(pairs, each, lambda pair: (pair[0].clone(), pair[1].clone()))
         g = torch.Generator(device=self.device).manual_seed(n * 7919 + i * 31 + 1)
         x = torch.randn((1, gu.shape[1]), device=self.device, generator=g).to(self.dtype)
         r = torch.randn((1, n), device=self.device, generator=g).to(self.dtype)
@@ -428,8 +422,7 @@ class GemvProducts:
             if candidate != "cublas":
                 if not ops.gemv_mlp_fits(x, gu, down, candidate):
                     continue
-                family, warps, splits = ops.parse_gemv_variant(candidate)
-                act = ops.gemv_silu_mul(x, gu, f"{family}.w{warps}.s1")
+                act = ops.gemv_silu_mul(x, gu, ops.gemv_unsplit(candidate))
                 want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, candidate)
                 got = form(candidate, pairs[0])
                 if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
@@ -443,14 +436,11 @@ class GemvProducts:
             times[candidate] *= 1e6 / len(calls)
         return pick_mlp(times), {c: round(t, 3) for c, t in times.items()}
 
-    def _weights(self, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Distinct tensors to cycle through: the model's, plus clones until they pass ~3 x L2 (at most
-        _TUNE_CLONE_BYTES of clones), so a timing reads memory rather than L2."""
-        return self._distinct(weights, weights[0].numel() * weights[0].element_size(), lambda t: t.clone())
-
-    def _distinct(self, items: list, each: int, clone) -> list:
-        """_weights for any operands (each of `each` bytes, copied by `clone`): the given ones, plus clones of
-        the first until they pass ~3 x L2 (at most _TUNE_CLONE_BYTES of clones, _TUNE_MAX_WEIGHTS in all)."""
+    def _timed_calls(self, items: list, each: int, clone) -> list:
+        """The operands a timed graph cycles through, a call each: the given ones (each of `each` bytes), plus
+        clones of the first (by `clone`) until they pass ~3 x L2 (at most _TUNE_CLONE_BYTES of clones,
+        _TUNE_MAX_WEIGHTS distinct), so a timing reads memory rather than L2; repeated until the graph reads
+        _TUNE_GRAPH_BYTES (at most _TUNE_MIN_CALLS calls, never fewer than the distinct operands)."""
         ws = list(items[:_TUNE_MAX_WEIGHTS])
         l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 64 << 20) or (64 << 20)
         cloned = 0
@@ -460,7 +450,8 @@ class GemvProducts:
             except torch.OutOfMemoryError:
                 break
             cloned += each
-        return ws
+        count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
+        return [ws[i % len(ws)] for i in range(count)]
 
     def _measure(
         self, m: int, n: int, k: int, weights: list[torch.Tensor], epilogue: str | None = None
@@ -470,15 +461,12 @@ class GemvProducts:
         gemv_silu_mul) or by the residual add and norm ("norm": cuBLAS then add_rmsnorm, against each variant's
         one-launch gemv_add_rmsnorm). A variant is checked against cuBLAS on its product (with the activation for
         "silu")."""
-        ws = self._weights(weights)
-        each = ws[0].numel() * ws[0].element_size()
-        count = max(len(ws), min(_TUNE_MIN_CALLS, -(-_TUNE_GRAPH_BYTES // each)))
-        calls = [ws[i % len(ws)] for i in range(count)]
+        calls = self._timed_calls(weights, weights[0].numel() * weights[0].element_size(), lambda t: t.clone())
         g = torch.Generator(device=self.device).manual_seed(n * 7919 + k * 31 + m)
         x = torch.randn((m, k), device=self.device, generator=g).to(self.dtype)
         # checked: the product (with the activation for "silu") of each candidate against cuBLAS's
         checked = _timed_forms(x, n, "silu" if epilogue == "silu" else None, g)
-        expect = checked("cublas", ws[0]).float()
+        expect = checked("cublas", weights[0]).float()
         scale = float(expect.abs().max()) or 1.0
         tol = 1e-3 if self.dtype == torch.float32 else 3e-2
         timed = _timed_forms(x, n, epilogue, g)
@@ -486,7 +474,7 @@ class GemvProducts:
         for candidate in ["cublas", *ops.gemv_variants(m, n, k, self.dtype, self.device)]:
             product = functools.partial(timed, candidate)
             if candidate != "cublas":
-                err = float((checked(candidate, ws[0]).float() - expect).abs().max())
+                err = float((checked(candidate, weights[0]).float() - expect).abs().max())
                 if not err <= tol * scale:
                     warnings.warn(
                         f"gemm auto: gemv variant {candidate} disagrees with cuBLAS on {m}x{k} @ {n}x{k} "

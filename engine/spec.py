@@ -458,7 +458,7 @@ _BUT_DEPTH = tuple(f.name for f in dataclasses.fields(EngineSettings) if f.name 
 
 
 def _same_but_depth(a: EngineSettings, b: EngineSettings) -> bool:
-    return a is b or a == b or all(getattr(a, f) == getattr(b, f) for f in _BUT_DEPTH)
+    return a is b or all(getattr(a, f) == getattr(b, f) for f in _BUT_DEPTH)
 
 
 def _advance(state: SessionState) -> None:

@@ -1857,11 +1857,7 @@ def gemv_add_rmsnorm(
     if (
         not gemv_takes(x, w)
         or not gemv_kernels(x.device, x.dtype)[0]
-        or not _cuda_ok(residual, weight)
-        or residual.shape != (m, n)
-        or residual.dtype != x.dtype
-        or residual.stride(1) != 1
-        or weight.numel() != n
+        or not _add_norm_operands_ok(x, residual, weight, m, n)
         or n % (16 // x.element_size()) != 0
     ):
         return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
@@ -1872,14 +1868,30 @@ def gemv_add_rmsnorm(
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    nw = weight.reshape(-1)
-    nw = nw.contiguous() if nw.dtype == torch.float32 else nw.float()  # exact: the kernels norm in fp32
+    nw = _f32_norm_weight(weight)
     args = la.GemvAddNormArgs(
         x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
         vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=nw, y=y, s=s, cnt=cnt, eps=eps,
     )  # fmt: skip
     _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
     return y, s
+
+
+def _add_norm_operands_ok(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, m: int, n: int) -> bool:
+    """The fused add + norm forms' residual [m, n] (x's dtype, unit column stride) and norm weight [n], on the GPU."""
+    return (
+        _cuda_ok(residual, weight)
+        and residual.shape == (m, n)
+        and residual.dtype == x.dtype
+        and residual.stride(1) == 1
+        and weight.numel() == n
+    )
+
+
+def _f32_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The norm weight as the kernels read it: flat fp32 (exact: they norm in fp32)."""
+    nw = weight.reshape(-1)
+    return nw.contiguous() if nw.dtype == torch.float32 else nw.float()
 
 
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
@@ -1958,11 +1970,7 @@ def gemv_mlp_add_rmsnorm(
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)
         and gemv_kernels(x.device, x.dtype)[0]
-        and _cuda_ok(residual, weight)
-        and residual.shape == (1, n)
-        and residual.dtype == x.dtype
-        and residual.is_contiguous()
-        and weight.numel() == n
+        and _add_norm_operands_ok(x, residual, weight, 1, n)
     )
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
     c = int(family[-1]) if fits else 0
@@ -1971,14 +1979,13 @@ def gemv_mlp_add_rmsnorm(
     cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
     mcnt = _counters(x.device, ("gemv_mlp", w_down.data_ptr(), variant), 1 + splits) if cnt is not None else None
     if mcnt is None:
-        gu = f"{family}.w{warps}.s1" if fits else None
+        gu = registry.gemv_unsplit(variant) if fits else None
         return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, variant)
     act = torch.empty((1, i), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     s = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    nw = weight.reshape(-1)
-    nw = nw.contiguous() if nw.dtype == torch.float32 else nw.float()
+    nw = _f32_norm_weight(weight)
     args = la.GemvMlpArgs(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,

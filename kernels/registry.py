@@ -70,6 +70,13 @@ def parse_gemv_variant(name: object) -> tuple[str, int, int] | None:
     return m.group(1), warps, splits
 
 
+def gemv_unsplit(variant: str) -> str:
+    """The variant of the same family and warps without a K split ("simt2.w8.s4" -> "simt2.w8.s1"): what the
+    one-launch MLP makes its gate|up product with."""
+    family, warps, _ = parse_gemv_variant(variant)
+    return f"{family}.w{warps}.s1"
+
+
 # Ops that are the reference on every device, by design (not fallbacks).
 REFERENCE_ONLY = frozenset({"chunk_gated_delta_rule"})
 
