@@ -63,6 +63,20 @@ class DecodeModel(Protocol):
         written into `out` (token, probability tensors) when given."""
         ...
 
+    def pick_accept(
+        self,
+        hidden: torch.Tensor,
+        drafts: torch.Tensor,
+        draft_probs: torch.Tensor,
+        p_min: float,
+        cache_len: torch.Tensor,
+        out: torch.Tensor,
+        start: torch.Tensor,
+    ) -> None:
+        """The verify's greedy pick over all ids (pick(hidden, 0)'s tokens) and ops.greedy_accept of `drafts`
+        against them, written into `out` and `cache_len` on the device."""
+        ...
+
     def lm_head(self, hidden: torch.Tensor, rows: int = 0) -> torch.Tensor:
         """Logits over the first `rows` vocabulary ids (0 = all)."""
         ...

@@ -352,6 +352,24 @@ class Model:
         local = self._head_product(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
         return _into(out, *self._distributed_argmax(hidden.shape[0], local, self.vocab_lo))
 
+    def pick_accept(
+        self,
+        hidden: torch.Tensor,
+        drafts: torch.Tensor,
+        draft_probs: torch.Tensor,
+        p_min: float,
+        cache_len: torch.Tensor,
+        out: torch.Tensor,
+        start: torch.Tensor,
+    ) -> None:
+        """The verify's greedy pick over all ids and its acceptance of `drafts` (ops.greedy_accept's writes to `out`
+        and `cache_len`): one launch where the logits are whole on this rank (ops.argmax_greedy_accept)."""
+        if self.head is not None or self.combine == "gather":
+            ops.argmax_greedy_accept(self.lm_head(hidden, 0), 0, drafts, draft_probs, p_min, cache_len, out, start)
+            return
+        target_tokens, _ = self.pick(hidden, 0)
+        ops.greedy_accept(drafts, draft_probs, target_tokens, p_min, cache_len, out, start)
+
     def _distributed_argmax(
         self, t: int, local: torch.Tensor | None, ids: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

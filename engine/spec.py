@@ -252,8 +252,8 @@ def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float, s
     out_buf / cache_len_buf."""
     hidden = model.forward_layers(state.ids_buf[:width], state, state.start_buf, recurrent=True)
     ops.store_rows(state.hidden, hidden, state.start_buf)
-    target_tokens, _ = model.pick(hidden, 0)
     if synthetic:
+        target_tokens, _ = model.pick(hidden, 0)
         state.cache_len_buf.copy_(state.start_buf)
         ops.synthetic_accept(
             state.ids_buf[1:width],
@@ -267,10 +267,10 @@ def _verify(model: DecodeModel, state: SessionState, width: int, p_min: float, s
             state.out_buf[: width + 2],
         )
         return
-    ops.greedy_accept(
+    model.pick_accept(  # the pick and the acceptance in one launch where the model can
+        hidden,
         state.ids_buf[1:width],
         state.probs_buf[: width - 1],
-        target_tokens,
         p_min,
         state.cache_len_buf,
         state.out_buf[: width + 2],

@@ -1210,6 +1210,14 @@ def _writable(x: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.d
     return x.shape == shape and x.dtype == dtype and x.device == device and (shape[0] <= 1 or x.stride(0) == 1)
 
 
+def _argmax_parts(t: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(parts a row, ids a part: a multiple of 8) for argmax over n ids of t rows."""
+    parts = max(1, min(-(-2 * _sms(device) // t), -(-n // _AM_MIN_PER_BLOCK), 1024))
+    chunk = -(-n // parts)
+    chunk = -(-chunk // 8) * 8
+    return -(-n // chunk), chunk
+
+
 def argmax_prob(
     logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1229,10 +1237,7 @@ def argmax_prob(
     if t == 0 or n == 0:
         return tok, prob
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
-    parts = max(1, min(-(-2 * _sms(logits.device) // t), -(-n // _AM_MIN_PER_BLOCK), 1024))
-    chunk = -(-n // parts)
-    chunk = -(-chunk // 8) * 8
-    parts = -(-n // chunk)
+    parts, chunk = _argmax_parts(t, n, logits.device)
     vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
     cnt = None
     if parts > 1:
@@ -1341,6 +1346,52 @@ def _one_long(start: torch.Tensor | None) -> bool:
 def _accept_ints_ok(*ints: torch.Tensor) -> bool:
     """The integer operands of an acceptance kernel: all int64, the last (`out`, written in place) contiguous."""
     return all(t.dtype == torch.int64 for t in ints) and ints[-1].is_contiguous()
+
+
+def argmax_greedy_accept(
+    logits: torch.Tensor,
+    n: int,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    p_min: float,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+    start: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax_prob then greedy_accept in one launch (argmax_accept: the block that stores the last row's token runs
+    the acceptance), the same bits as the two ops; where either would not run its kernel, or the counters cannot
+    be had, those two ops."""
+    t = logits.shape[0] if logits.dim() == 2 else -1
+    ints = (drafts, cache_len) + ((start,) if start is not None else ()) + (out,)
+    fits = (
+        _cuda_ok(logits, drafts, draft_probs, *ints)
+        and logits.dtype in _KIND
+        and t == drafts.shape[0] + 1
+        and t > 0
+        and _accept_ints_ok(*ints)
+        and _one_long(start)
+    )
+    cnt = _counters(logits.device, ("argmax_accept", logits.data_ptr()), t + 1) if fits else None
+    vocab = logits.shape[1] if fits else 0
+    n = vocab if n <= 0 else min(int(n), vocab)
+    if cnt is None or n == 0:
+        tok, prob = argmax_prob(logits, n)
+        greedy_accept(drafts, draft_probs, tok, p_min, cache_len, out, start)
+        return tok, prob
+    lg = logits if logits.stride(1) == 1 else logits.contiguous()
+    parts, chunk = _argmax_parts(t, n, logits.device)
+    vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    ws = torch.empty((3, t, parts), dtype=torch.float32, device=logits.device)
+    tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
+    prob = torch.empty((t,), dtype=torch.float32, device=logits.device)
+    pr = draft_probs if draft_probs.dtype == torch.float32 else draft_probs.float()
+    args = la.ArgmaxAcceptArgs(
+        logits=lg, ls0=lg.stride(0), n=n, chunk=chunk, vec_ok=vec_ok, pm=_p(ws[0]), ps=_p(ws[1]), pi=_p(ws[2]),
+        tok=tok, prob=prob, cnt=cnt, drafts=drafts.contiguous(), probs=pr.contiguous(), p_min=p_min,
+        cache_len=cache_len.reshape(-1), out=out, nd=t - 1, start=start,
+    )  # fmt: skip
+    _launch("argmax_accept", logits.dtype, logits.device, (parts, t), (_AM_THREADS,), args)
+    return tok, prob
 
 
 def greedy_accept(
@@ -2066,6 +2117,7 @@ _KERNELS_PER_DTYPE = (
         "attn_vecb_u2_g4_f",
         "argmax_partial",
         "argmax_combine",
+        "argmax_accept",
         "greedy_accept",
         "attn_prep_ws",
         "attn_prep_wf",
@@ -2166,6 +2218,8 @@ def _exercise(device: torch.device, dtype: torch.dtype) -> None:
         out,
         start,
     )
+    argmax_greedy_accept(lg, 0, z(1, dtype=torch.int64, device=device), torch.ones(1, device=device), 0.5,
+                         z(1, dtype=torch.int64, device=device), out, start)  # fmt: skip
     seed = z(1, dtype=torch.int64, device=device)
     probs = sample_probs(lg[:, :100], 0, 0.7, 5, 0.9, 0.05)
     tok, prob = sample_token(probs, seed, start, 0, 1)

@@ -218,6 +218,14 @@ ArgmaxPartialArgs = builder(
     "ptr logits, i64 ls0, i32 n, i32 chunk, i32 vec_ok, ptr pm, ptr ps, ptr pi, ptr tok, ptr prob, ptr cnt",
     "argmax_partial",
 )
+ArgmaxAcceptArgs = builder(
+    "ArgmaxAcceptArgs",
+    (
+        "ptr logits, i64 ls0, i32 n, i32 chunk, i32 vec_ok, ptr pm, ptr ps, ptr pi, ptr tok, ptr prob, ptr cnt, "
+        "ptr drafts, ptr probs, f64 p_min, ptr cache_len, ptr out, i32 nd, ptr start"
+    ),
+    "argmax_accept",
+)
 ArgmaxCombineArgs = builder(
     "ArgmaxCombineArgs",
     "ptr pm, ptr ps, ptr pi, i32 P, ptr tok, ptr prob",

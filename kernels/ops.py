@@ -19,6 +19,7 @@ gated_delta_rule = reference.gated_delta_rule
 chunk_gated_delta_rule = reference.chunk_gated_delta_rule
 argmax_prob = reference.argmax_prob
 greedy_accept = reference.greedy_accept
+argmax_greedy_accept = reference.argmax_greedy_accept
 sample_probs = reference.sample_probs
 sample_token = reference.sample_token
 spec_accept = reference.spec_accept

@@ -552,6 +552,24 @@ def greedy_accept(
         cache_len[0] += k + 1
 
 
+def argmax_greedy_accept(
+    logits: torch.Tensor,
+    n: int,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor,
+    p_min: float,
+    cache_len: torch.Tensor,
+    out: torch.Tensor,
+    start: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify's pick and acceptance: argmax_prob(logits, n) over its T = len(drafts) + 1 rows, then
+    greedy_accept of the drafts against those tokens (its writes to `out` and `cache_len`). Returns the
+    (token [T], prob [T]) of argmax_prob."""
+    tok, prob = argmax_prob(logits, n)
+    greedy_accept(drafts, draft_probs, tok, p_min, cache_len, out, start)
+    return tok, prob
+
+
 # ---- sampling ---------------------------------------------------------------------------------------------
 # Random numbers are counter-based: u = hash(seed, round position, slot, purpose), a pure function of integers,
 # so a captured CUDA graph draws new numbers at every replay (the position is read from a device buffer) with no

@@ -30,6 +30,7 @@ NAMES = (
     "chunk_gated_delta_rule",
     "argmax_prob",
     "greedy_accept",
+    "argmax_greedy_accept",
     "sample_probs",
     "sample_token",
     "spec_accept",

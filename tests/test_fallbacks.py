@@ -57,7 +57,7 @@ def test_cupy_missing_counts_every_op_in_the_engine_stats(pretend_gpu, tiny_engi
         out = tiny_engine.generate("def main():", 6, EngineSettings(draft_depth=2))
         again = tiny_engine.generate("def main():", 6, EngineSettings(draft_depth=2), tiny_engine.new_session())
     first, second = out.stats["fallbacks"], again.stats["fallbacks"]
-    assert first["attn_prep"] > 0 and first["greedy_accept"] > 0 and "chunk_gated_delta_rule" not in first
+    assert first["attn_prep"] > 0 and first["argmax_greedy_accept"] > 0 and "chunk_gated_delta_rule" not in first
     assert all(second[op] > n for op, n in first.items())  # counted per call, for the process
     reports = [r.getMessage() for r in caplog.records if r.name == "specdeck.kernels"]
     assert len(reports) == len(second)  # once per op, however often it fell back

@@ -686,6 +686,95 @@ def test_greedy_accept(kc):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [320, 32768, 248320])
+def test_argmax_greedy_accept_is_the_pick_then_the_acceptance(kc, dtype, vocab, monkeypatch):
+    """The verify's pick and acceptance in one launch (argmax_accept): for target-only (no drafts) and several
+    drafts, some matching the picks and some under p_min, a row of one part (320 ids) and of many, the tokens,
+    probabilities, `out` and the cache length are argmax_prob's then greedy_accept's bits; one launch, the
+    counters back at zero; and the reference op is those two references."""
+    names = []
+    launch = kc._launch
+    monkeypatch.setattr(kc, "_launch", lambda name, *a, **k: (names.append(name), launch(name, *a, **k))[1])
+    gen = torch.Generator().manual_seed(vocab)
+    start = torch.tensor([37], dtype=torch.int64, device=CUDA)
+    for nd in (0, 1, 3, 7):
+        for case in range(3):
+            lg, hot = _logits(nd + 1, vocab, vocab, dtype)
+            drafts = hot[:nd].clone()
+            if nd and case:  # a mismatch somewhere (case 0: every draft matches)
+                at = int(torch.randint(0, nd, (1,), generator=gen))
+                drafts[at] = (drafts[at] + 1) % vocab
+            probs = torch.rand(nd, generator=gen).to(CUDA)
+            p_min = (0.0, 0.2, 0.6)[case]
+            got_out, got_cl = torch.full((nd + 3,), -7, dtype=torch.int64, device=CUDA), torch.tensor([5], device=CUDA)
+            want_out, want_cl = got_out.clone(), got_cl.clone()
+            names.clear()
+            tok, prob = kc.argmax_greedy_accept(lg, 0, drafts, probs, p_min, got_cl, got_out, start)
+            assert names == ["argmax_accept"], names
+            wt, wp = kc.argmax_prob(lg, 0)
+            kc.greedy_accept(drafts, probs, wt, p_min, want_cl, want_out, start)
+            label = (nd, case, vocab, dtype)
+            assert torch.equal(tok, wt) and torch.equal(prob, wp) and torch.equal(tok, hot), label
+            assert torch.equal(got_out, want_out) and torch.equal(got_cl, want_cl), label
+            r_out, r_cl = torch.full_like(got_out, -7).cpu(), torch.tensor([5])
+            rt, rp = ref.argmax_greedy_accept(lg.cpu(), 0, drafts.cpu(), probs.cpu(), p_min, r_cl, r_out, start.cpu())
+            assert (
+                torch.equal(rt, tok.cpu()) and r_out.tolist() == got_out.tolist() and r_cl.tolist() == got_cl.tolist()
+            )
+            cnt = kc._counters(torch.device(CUDA), ("argmax_accept", lg.data_ptr()), nd + 2)
+            assert cnt.count_nonzero().item() == 0, label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_argmax_greedy_accept_replayed_back_to_back(kc, pdl):
+    """Rounds replay the fused pick + acceptance on the same logits buffer one after another (PDL lets the next
+    start early): a captured chain of rounds on new logits gives the eager chain's results each time."""
+    t, vocab = 4, 248320
+    lg = torch.zeros(t, vocab, device=CUDA, dtype=torch.bfloat16)
+    drafts = torch.zeros(t - 1, dtype=torch.int64, device=CUDA)
+    probs = torch.ones(t - 1, device=CUDA)
+    start = torch.tensor([3], dtype=torch.int64, device=CUDA)
+    outs = [torch.zeros(t + 2, dtype=torch.int64, device=CUDA) for _ in range(3)]
+    cls = [torch.zeros(1, dtype=torch.int64, device=CUDA) for _ in range(3)]
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+
+    def rounds(out, cl):
+        return [
+            kc.argmax_greedy_accept(lg, 0, drafts, probs, 0.1, c, o, start)[0] for o, c in zip(out, cl, strict=True)
+        ]
+
+    try:
+        rounds(outs, cls)  # eager first: the counters are made outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                toks = rounds(outs, cls)
+        torch.cuda.current_stream().wait_stream(stream)
+        for seed in range(4):
+            new, hot = _logits(t, vocab, vocab, torch.bfloat16)
+            lg.copy_(new)
+            drafts.copy_(hot[: t - 1])
+            drafts[seed % (t - 1)] += 1  # a mismatch that moves
+            for o in outs:  # past the bonus token `out` keeps what it held: both chains start from zeros
+                o.zero_()
+            graph.replay()
+            e_outs = [torch.zeros_like(o) for o in outs]
+            e_cls = [torch.zeros_like(c) for c in cls]
+            e_toks = rounds(e_outs, e_cls)
+            torch.cuda.synchronize()
+            for a, b in zip(toks + outs + cls, e_toks + e_outs + e_cls, strict=True):
+                assert torch.equal(a, b), seed
+            assert outs[0][0].item() == seed % (t - 1) + 1
+    finally:
+        kc.set_pdl(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 384, 4096, 9000])
 @pytest.mark.parametrize("t", [1, 6, 40])
 def test_embed_rmsnorm(kc, dtype, d, t):

@@ -1605,11 +1605,12 @@ __device__ __forceinline__ void argmax_merge_row(const float* pm, const float* p
     }
 }
 
-extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
-                                          int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
-                                          int* __restrict__ pi, long long* __restrict__ tok,
-                                          float* __restrict__ prob, int* __restrict__ cnt) {
-    PDL_ENTER();
+// One part of argmax_partial (block p of row `row`); returns, in every thread, whether this block stored the
+// row's token and prob (its only part, or the last part to finish, which merged the row).
+__device__ __forceinline__ bool argmax_part(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
+                                            int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
+                                            int* __restrict__ pi, long long* __restrict__ tok,
+                                            float* __restrict__ prob, int* __restrict__ cnt) {
     const int p = blockIdx.x, P = gridDim.x, row = blockIdx.y;
     const scalar_t* lr = logits + (long long)row * ls0;
     const int b = p * chunk;
@@ -1652,7 +1653,7 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
     am_block(m, s, idx);
     __shared__ int last;
     if (threadIdx.x == 0) {
-        last = 0;
+        last = P == 1;
         if (P == 1) {
             tok[row] = idx == I32_MAX ? 0 : idx;
             prob[row] = 1.0f / s;
@@ -1669,7 +1670,17 @@ extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, l
         }
     }
     __syncthreads();
-    if (last && threadIdx.x < 32) argmax_merge_row(pm, ps, pi, P, row, tok, prob, true);
+    const bool stored = last;
+    if (P > 1 && stored && threadIdx.x < 32) argmax_merge_row(pm, ps, pi, P, row, tok, prob, true);
+    return stored;
+}
+
+extern "C" __global__ void argmax_partial(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
+                                          int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
+                                          int* __restrict__ pi, long long* __restrict__ tok,
+                                          float* __restrict__ prob, int* __restrict__ cnt) {
+    PDL_ENTER();
+    argmax_part(logits, ls0, n, chunk, vec_ok, pm, ps, pi, tok, prob, cnt);
 }
 
 // One warp per row: merges the P partials of argmax_partial (the same merges in the same order either way).
@@ -1685,19 +1696,50 @@ extern "C" __global__ void argmax_combine(const float* __restrict__ pm, const fl
 // reference's float(draft_probs[i]) >= p_min. With `start` non-null the cache length is start + k + 1 (the
 // round's copy of start into cache_len folded in), else cache_len + k + 1.
 // ------------------------------------------------------------------------------------------------
+// The acceptance of one thread. coherent: `target` was stored by other blocks of this launch (argmax_accept).
+__device__ __forceinline__ void greedy_accept_one(const long long* __restrict__ drafts, const float* __restrict__ probs,
+                                                  const long long* target, double p_min,
+                                                  long long* __restrict__ cache_len, long long* __restrict__ out,
+                                                  int n, const long long* __restrict__ start, bool coherent) {
+    int nv = 0;
+    while (nv < n && (double)probs[nv] >= p_min) ++nv;
+    int k = 0;
+    while (k < nv && drafts[k] == (coherent ? __ldcg(target + k) : target[k])) ++k;
+    out[0] = k + 1;
+    out[1] = nv;
+    for (int i = 0; i < k; ++i) out[2 + i] = drafts[i];
+    out[2 + k] = coherent ? __ldcg(target + k) : target[k];
+    cache_len[0] = (start != nullptr ? start[0] : cache_len[0]) + k + 1;
+}
+
 extern "C" __global__ void greedy_accept(const long long* __restrict__ drafts, const float* __restrict__ probs,
                                          const long long* __restrict__ target, double p_min,
                                          long long* __restrict__ cache_len, long long* __restrict__ out, int n,
                                          const long long* __restrict__ start) {
     PDL_ENTER();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    int nv = 0;
-    while (nv < n && (double)probs[nv] >= p_min) ++nv;
-    int k = 0;
-    while (k < nv && drafts[k] == target[k]) ++k;
-    out[0] = k + 1;
-    out[1] = nv;
-    for (int i = 0; i < k; ++i) out[2 + i] = drafts[i];
-    out[2 + k] = target[k];
-    cache_len[0] = (start != nullptr ? start[0] : cache_len[0]) + k + 1;
+    greedy_accept_one(drafts, probs, target, p_min, cache_len, out, n, start, false);
+}
+
+// argmax_partial over the verify's T = nd + 1 rows, then greedy_accept on their tokens, in one launch (op
+// argmax_greedy_accept): cnt holds T row counters (argmax_partial's, for rows of several parts) and one for the
+// rows: the block that stores a row's token (its only part, or its last, which merged it) counts it in there
+// (release; acquire: the rows counted before), and the last row's runs the acceptance on its thread 0, reading
+// the tokens past L1, then leaves that counter at zero. The same bits as the two launches.
+extern "C" __global__ void argmax_accept(const scalar_t* __restrict__ logits, long long ls0, int n, int chunk,
+                                         int vec_ok, float* __restrict__ pm, float* __restrict__ ps,
+                                         int* __restrict__ pi, long long* __restrict__ tok,
+                                         float* __restrict__ prob, int* __restrict__ cnt,
+                                         const long long* __restrict__ drafts, const float* __restrict__ probs,
+                                         double p_min, long long* __restrict__ cache_len, long long* __restrict__ out,
+                                         int nd, const long long* __restrict__ start) {
+    PDL_ENTER();
+    const bool stored = argmax_part(logits, ls0, n, chunk, vec_ok, pm, ps, pi, tok, prob, cnt);
+    if (!stored || threadIdx.x != 0) return;  // thread 0 stored the token (P = 1) or merged it (lane 0)
+    int* rows = cnt + gridDim.y;
+    int old;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(rows) : "memory");
+    if (old != (int)gridDim.y - 1) return;
+    *rows = 0;
+    greedy_accept_one(drafts, probs, tok, p_min, cache_len, out, nd, start, true);
 }
