@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,8 @@ _TUNE_REPLAYS = 3
 _TUNE_CLONE_BYTES = 512 << 20  # the most a measurement clones to get past L2
 _TUNE_GRAPH_BYTES = 256 << 20  # weight bytes a timed graph reads, at least (at most _TUNE_MIN_CALLS calls)
 # The shapes with an epilogue: cuBLAS then the epilogue's kernel is two launches, a gemv variant's fused form one
-# (gate|up + silu_mul: a variant without K splits, one that splits K being its product then gemv_combine_sm, two;
+# (gate|up + silu_mul: a variant without K splits; one that splits K is its product then gemv_combine_sm, two, unless
+# kernels/cuda.py _GEMV_SPLIT_SILU is on (off by default: measured slower), which makes it one where its tiles pair up;
 # a projection + add_rmsnorm: any variant, its split sum is in the launch). The one-launch form is kept unless a
 # form of two launches is faster by more than this fraction: the
 # timing of each candidate repeats the same launches back to back, where the second launch costs nothing extra,
@@ -483,7 +485,10 @@ class GemvProducts:
                     )
                     continue
             times[candidate] = _graph_seconds(lambda p=product: [p(w) for w in calls], self.device) / len(calls) * 1e6
-        return pick(times, epilogue, m), {c: round(t, 3) for c, t in times.items()}
+        one_launch = None
+        if epilogue == "silu":
+            one_launch = functools.partial(ops.gemv_silu_one_launch, x, weights[0])
+        return pick(times, epilogue, m, one_launch), {c: round(t, 3) for c, t in times.items()}
 
 
 def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generator):
@@ -509,19 +514,22 @@ def _timed_forms(x: torch.Tensor, n: int, epilogue: str | None, g: torch.Generat
     return form
 
 
-def pick(times: dict[str, float], epilogue: str | None = None, rows: int = 1) -> str:
+def pick(
+    times: dict[str, float], epilogue: str | None = None, rows: int = 1, one_launch: Callable[[str], bool] | None = None
+) -> str:
     """The candidate to use from measured us per call of `rows` rows: the fastest; for a shape with an epilogue
-    (EPILOGUES), the fastest gemv variant whose fused form is one launch (for "silu" a variant without K splits: one
-    that splits K is its product, then its split sum with silu_mul; for "norm" any) against the fastest candidate
-    of more launches (cuBLAS and the epilogue's kernel; for "silu" also a variant that splits K): the one-launch
-    form is kept unless that one is faster by more than _ONE_LAUNCH_MARGIN, and for "norm" with more than one row
-    only if it is itself faster by _NORM_ROWS_MARGIN (see there)."""
+    (EPILOGUES), the fastest gemv variant whose fused form is one launch (for "silu" those `one_launch` says are,
+    kernels/cuda.py gemv_silu_one_launch; by default a variant without K splits, one that splits K being its product,
+    then its split sum with silu_mul; for "norm" any) against the fastest
+    candidate of more launches (cuBLAS and the epilogue's kernel; for "silu" also a variant of two launches): the
+    one-launch form is kept unless that one is faster by more than _ONE_LAUNCH_MARGIN, and for "norm" with more
+    than one row only if it is itself faster by _NORM_ROWS_MARGIN (see there)."""
     best = min(times, key=times.get)
     if epilogue not in EPILOGUES:
         return best
     fused = [c for c in times if c != "cublas" and ops.parse_gemv_variant(c) is not None]
     if epilogue == "silu":
-        fused = [c for c in fused if ops.parse_gemv_variant(c)[2] == 1]  # no K split
+        fused = [c for c in fused if (one_launch(c) if one_launch else ops.parse_gemv_variant(c)[2] == 1)]
     rivals = [c for c in times if c not in fused]
     if not fused or not rivals:
         return best

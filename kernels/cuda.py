@@ -1645,6 +1645,13 @@ _GEMV_TC = tuple(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2))
 # The fused projection + residual add + norm (gemv_add_rmsnorm): every kernel above with its "_an" form.
 _GEMV_DR_DK = (64, 128)  # the rule's DK of the in_proj product's fused "_dr" forms (other dk: two launches)
 _GEMV_STEP = 64  # K elements of one tensor-core step; every K split is a multiple of it
+# A gate|up product that splits K: True, its split sum and silu_mul in the product's launch (the "_ss" forms, gemv_silu_mul:
+# the last of a gate tile's and its up tile's blocks combines); False (default), gemv_combine_sm after it, a second
+# launch. Off because on the H200 the one launch was slower: every block of the product ends on a counter (an
+# atomic round trip before its slot frees), so simt2.w4.s2's gate|up went from the fastest candidate (two launches)
+# to behind the unsplit forms, and the token lost 0.7% for its 32 fewer launches (bench/results/
+# h200-split-silu-2026-12-02.txt; bench/gate_up_split.py times both).
+_GEMV_SPLIT_SILU = False
 _GEMV_WARPS_PER_SM = 12  # warps the default launch aims for (a memory stream needs many loads in flight)
 _ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 _gemv_text: str | None = None
@@ -1720,7 +1727,8 @@ def _gemv_names(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
     tc = plain[len(_GEMV_SIMT) :]
     silu = (*(f"gemv_simt_m{mb}_c2_sm" for mb in _GEMV_SIMT_ROWS), *(f"{name}_sm" for name in tc))
     mlp = ("gemv_simt_m1_c1_mlp", "gemv_simt_m1_c2_mlp")
-    return (*plain, "gemv_combine", "gemv_combine_sm", *(f"{name}_an" for name in plain), *silu, *mlp)
+    fused = (*(f"{name}_an" for name in plain), *(f"{name}_ss" for name in plain))
+    return (*plain, "gemv_combine", "gemv_combine_sm", *fused, *silu, *mlp)
 
 
 def gemv_rule_kernels(device: torch.device | str | int, dtype: torch.dtype, dk: int) -> bool:
@@ -1945,19 +1953,48 @@ def _f32_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     return nw.contiguous() if nw.dtype == torch.float32 else nw.float()
 
 
+def _gemv_tile_cols(name: str, block: tuple) -> int:
+    """The output columns one block of a plain gemv launch makes (its warps * C, or a tensor-core tile's 16 CT)."""
+    c = int(name[-1])
+    return block[0] // 32 * c if name.startswith("gemv_simt_") else 16 * c
+
+
+def gemv_silu_one_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
+    """Whether gemv_silu_mul of `variant` is one launch for these operands: a variant without K splits (the "_sm"
+    form), or one that splits K whose column tiles pair the gate half with the up half (I a whole number of tiles:
+    the "_ss" form, _GEMV_SPLIT_SILU on). Otherwise (or the reference) not."""
+    if not gemv_takes(x, w) or w.shape[0] % 2:
+        return False
+    name, _, block, _, _, splits = _gemv_launch(x, w, variant)
+    return splits == 1 or (_GEMV_SPLIT_SILU and w.shape[0] // 2 % _gemv_tile_cols(name, block) == 0)
+
+
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """silu_mul(gemv(x, w, variant)) for the MLP's packed gate|up weight [2 I, K]: one launch (the kernel's "_sm"
     form: each output column's gate and up rows in one warp or tile, silu_mul's arithmetic on the two rounded
     sums, so the result is bit for bit the two launches' of a variant without K splits). A variant that splits
-    K is two launches: its product into fp32 partials, then gemv_combine_sm (the split sum and silu_mul's
-    arithmetic; the same bits as gemv then silu_mul); a shape the kernels do not take is the reference."""
+    K is two: its product into fp32 partials, then gemv_combine_sm; with _GEMV_SPLIT_SILU on, one where its column
+    tiles pair up (gemv_silu_one_launch; the "_ss" form: the last of a gate tile's and its up tile's blocks adds
+    their partials in split order and applies silu_mul's arithmetic, gemv_combine_sm's code). Either way the same
+    bits as gemv then silu_mul. A shape the kernels do not take is the reference."""
     if not gemv_takes(x, w) or not gemv_kernels(x.device, x.dtype)[0] or w.shape[0] % 2:
         return _fallback("gemv_silu_mul", x)(x, w, variant)
-    name, grid, block, smem, _, splits = _gemv_launch(x, w, variant)  # the plain product's launch over 2 I rows
+    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)  # the plain product's launch over 2 I rows
     m, k = x.shape
     i = w.shape[0] // 2
     if splits > 1:
         out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+        cnt = None
+        if _GEMV_SPLIT_SILU and i % _gemv_tile_cols(name, block) == 0:
+            cnt = _counters(x.device, ("gemv_ss", w.data_ptr()), grid[0] // 2)  # a pair of tiles each
+        if cnt is not None:
+            part = torch.empty((splits, m, 2 * i), dtype=torch.float32, device=x.device)
+            args = la.GemvSplitSiluArgs(
+                x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, part=part, M=m, N=2 * i, K=k, kchunk=kchunk,
+                vec_ok=int(_gemv_vec_ok(x, w)), cnt=cnt,
+            )  # fmt: skip
+            _launch_gemv(name + "_ss", x.dtype, x.device, grid, block, args, smem)
+            return out
         part, splits = _gemv_main(x, w, variant, out)  # out is not written: the product goes to the partials
         combine = la.GemvCombineSiluArgs(part=part, out=out, S=splits, M=m, I=i)
         _launch_gemv("gemv_combine_sm", x.dtype, x.device, (-(-(m * i) // 256),), (256,), combine)

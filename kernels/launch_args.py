@@ -269,6 +269,12 @@ GemvSiluArgs = builder(
     *(f"gemv_simt_m{mb}_c2_sm" for mb in (1, 4, 8, 17)),
     *(f"gemv_tc_t{mt}_c{ct}_sm" for mt in (1, 2, 3) for ct in (1, 2)),
 )
+GemvSplitSiluArgs = builder(
+    "GemvSplitSiluArgs",
+    "ptr x, i64 xs, ptr w, i64 wsr, ptr out, ptr part, i32 M, i32 N, i32 K, i32 kchunk, i32 vec_ok, ptr cnt",
+    *(f"gemv_simt_m{mb}_c{c}_ss" for mb in (1, 4, 8, 17) for c in (1, 2)),
+    *(f"gemv_tc_t{mt}_c{ct}_ss" for mt in (1, 2, 3) for ct in (1, 2)),
+)
 GemvMlpArgs = builder(
     "GemvMlpArgs",
     (

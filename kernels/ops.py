@@ -137,6 +137,15 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
 
 
+def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:
+    """Whether gemv_silu_mul of `variant` is one launch for these operands (with the CUDA kernels bound)."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_silu_one_launch(x, w_gate_up, variant)
+
+
 def gemv_variants(m: int, n: int, k: int, dtype, device) -> list[str]:
     """The gemv launch variants worth timing for [m, k] x [n, k]^T here (the default first)."""
     from . import cuda

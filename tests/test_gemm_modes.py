@@ -227,6 +227,10 @@ def test_the_pick_keeps_the_one_launch_activation_form_unless_cublas_is_clearly_
     near = {"cublas": 52.0, "simt2.w4.s2": 50.0, "simt2.w4.s1": 50.4}
     assert gemm.pick(near, epilogue="silu") == "simt2.w4.s1"
     assert gemm.pick({**near, "simt2.w4.s1": 50.6}, epilogue="silu") == "simt2.w4.s2"
+    # where a K split is one launch too (the "_ss" form; kernels/cuda.py gemv_silu_one_launch), it competes as one
+    split_one = lambda c: True  # noqa: E731
+    assert gemm.pick(split, epilogue="silu", one_launch=split_one) == "simt2.w4.s2"
+    assert gemm.pick({"cublas": 50.0, "simt2.w4.s2": 50.4}, epilogue="silu", one_launch=split_one) == "simt2.w4.s2"
 
 
 def test_the_pick_keeps_the_one_launch_norm_form_whatever_its_k_splits():

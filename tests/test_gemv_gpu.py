@@ -300,28 +300,91 @@ def test_gemv_silu_mul_one_launch(kc, dtype, n, k):
     assert kc.registry.fallbacks().get("gemv_silu_mul", 0) == before
 
 
-def test_gemv_silu_mul_with_k_splits_is_two_launches(kc, monkeypatch):
-    """A variant that splits K: the product into partials, then one launch for the split sum and the activation
-    (gemv_combine_sm), no silu_mul after; the bits of gemv then silu_mul; a variant without splits is one launch."""
+def test_gemv_silu_mul_with_k_splits_is_one_launch_where_its_tiles_pair(kc, monkeypatch):
+    """A variant that splits K: one launch (the "_ss" form: the last of a gate tile's and its up tile's blocks adds
+    their split partials and applies silu_mul) where the gate half is a whole number of the launch's tiles, else
+    two (the product into partials, then gemv_combine_sm); with the form turned off, always two. Either way the
+    bits of gemv then silu_mul, the pair counters left at zero, and gemv_silu_one_launch says which it was."""
     names = []
     launch = kc._launch_gemv
     monkeypatch.setattr(kc, "_launch_gemv", lambda name, *a, **k: (names.append(name), launch(name, *a, **k))[1])
     dtype = torch.bfloat16
-    for n, k, m in ((24576, 4096, 1), (2048, 8192, 6)):  # the 9B-like gate|up at one row; a narrow one at six
+    seen = set()
+    # the 9B-like gate|up at one row; a narrow one at six; one whose gate half (1020) only 4-column tiles divide
+    for n, k, m in ((24576, 4096, 1), (2048, 8192, 6), (2040, 8192, 1)):
         w = weight(n, k, dtype)
         x = rows(m, k, dtype, seed=11 + m)
         variants = kc.gemv_variants(m, n, k, dtype, CUDA)
         split = [v for v in variants if kc.registry.parse_gemv_variant(v)[2] > 1]
         whole = [v for v in variants if kc.registry.parse_gemv_variant(v)[2] == 1]
         assert split and whole, (n, k, m, variants)
-        for variant in (split[0], split[-1]):
-            names.clear()
-            got = kc.gemv_silu_mul(x, w, variant)
-            assert len(names) == 2 and names[1] == "gemv_combine_sm", (variant, names)
-            assert torch.equal(got, kc.silu_mul(kc.gemv(x, w, variant))), variant
+        want = {v: kc.silu_mul(kc.gemv(x, w, v)) for v in split}
+        for on in (True, False):
+            monkeypatch.setattr(kc, "_GEMV_SPLIT_SILU", on)
+            for variant in split:
+                plain, _, block = kc._gemv_launch(x, w, variant)[:3]
+                cols = kc._gemv_tile_cols(plain, block)
+                paired = on and (n // 2) % cols == 0
+                names.clear()
+                got = kc.gemv_silu_mul(x, w, variant)
+                label = (n, k, m, variant, on)
+                assert names == ([plain + "_ss"] if paired else [plain, "gemv_combine_sm"]), (label, names)
+                assert kc.gemv_silu_one_launch(x, w, variant) == paired, label
+                assert torch.equal(got, want[variant]), label
+                if paired:
+                    grid = kc._gemv_launch(x, w, variant)[1]
+                    cnt = kc._counters(CUDA, ("gemv_ss", w.data_ptr()), grid[0] // 2)
+                    assert cnt.count_nonzero().item() == 0, label
+                seen.add(paired)
         names.clear()
         kc.gemv_silu_mul(x, w, whole[0])
         assert len(names) == 1 and names[0].endswith("_sm"), names
+        assert kc.gemv_silu_one_launch(x, w, whole[0])
+    assert seen == {True, False}  # both paths ran
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_silu_mul_with_k_splits_back_to_back_in_a_graph(kc, pdl, monkeypatch):
+    """The one-launch K-split form launched again and again on the same weight (a draft step after another), each
+    launch starting before the last is done under PDL: a captured chain replayed on new inputs gives the eager
+    chain's bits every time, and the pair counters are back at zero."""
+    k, dtype = 4096, torch.bfloat16
+    w = weight(2 * k, k, dtype)  # the activation's width is K: the chain feeds itself
+    monkeypatch.setattr(kc, "_GEMV_SPLIT_SILU", True)
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+
+    def chain(x, variant):
+        out = []
+        for _ in range(4):
+            x = kc.gemv_silu_mul(x, w, variant)
+            out.append(x)
+        return out
+
+    try:
+        for variant in [
+            v for v in kc.gemv_variants(1, 2 * k, k, dtype, CUDA) if kc.registry.parse_gemv_variant(v)[2] > 1
+        ]:
+            x_in = rows(1, k, dtype, seed=1)
+            assert kc.gemv_silu_one_launch(x_in, w, variant), variant
+            chain(x_in, variant)  # eager first: the counters are made outside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    outs = chain(x_in, variant)
+            torch.cuda.current_stream().wait_stream(stream)
+            for seed in range(3, 6):
+                x_in.copy_(rows(1, k, dtype, seed=seed))
+                graph.replay()
+                want = chain(x_in.clone(), variant)
+                torch.cuda.synchronize()
+                assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), (variant, seed)
+            grid = kc._gemv_launch(x_in, w, variant)[1]
+            assert kc._counters(CUDA, ("gemv_ss", w.data_ptr()), grid[0] // 2).count_nonzero().item() == 0, variant
+    finally:
+        kc.set_pdl(False)
 
 
 def test_gemv_silu_mul_unaligned_and_in_a_graph(kc):
@@ -557,5 +620,9 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
                 want = chain(x, r, variant)
                 torch.cuda.synchronize()
                 assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), (variant, seed)
+            # every launch hands its ticket and chunk counters back at zero, or the next one would wait forever
+            splits = kc._gemv_splits(i, kc.registry.parse_gemv_variant(variant)[2])[1]
+            mcnt = kc._counters(CUDA, ("gemv_mlp", down.data_ptr(), variant), 1 + splits)
+            assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
     finally:
         kc.set_pdl(False)

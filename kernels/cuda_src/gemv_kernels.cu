@@ -27,6 +27,10 @@
 //           each output column's gate row n and up row n + I are summed by one warp (CUDA cores, C = 2) or one
 //           tile (tensor cores: gate in tile rows 16 ct + g, up in 16 ct + 8 + g), exactly as the plain form sums
 //           them, then silu_mul's arithmetic on the two rounded sums; no K split.
+//  ..._ss   (GemvSplitSiluArgs) the packed gate|up product with K splits and silu_mul in one launch (op gemv_silu_mul
+//           with kernels/cuda.py _GEMV_SPLIT_SILU on; off by default, measured slower than the product then
+//           gemv_combine_sm): each block stores its split's fp32 partials, and the last of a gate tile's and its up
+//           tile's blocks to count in adds them in split order and applies the activation (gv_split_silu).
 //  ..._mlp  (GemvMlpArgs, one row, CUDA cores) the MLP and the add + norm after it in one launch (op
 //           gemv_mlp_add_rmsnorm): the _sm code for the activation, then the _an code for the down product, its
 //           blocks ordered by tickets and waiting for their K split's part of the activation (see there).
@@ -393,6 +397,30 @@ __device__ __forceinline__ scalar_t gv_silu_mul(float gate, float up) {
     return gv_out(gv_rnd(g / (1.0f + expf(-g))) * gv_rnd(up));
 }
 
+// The _ss forms' epilogue (op gemv_silu_mul with K splits, one launch instead of the product and gemv_combine_sm):
+// called by every thread of every block once its split's fp32 partials of its tile of the packed gate|up product
+// [M, 2 I] are stored. The launch's tiles of `cols` columns are gridDim.x = 2 I / cols (I a multiple of cols), the
+// gate half's tile p paired with the up half's tile p + gridDim.x / 2; the last of the pair's 2 S blocks to count
+// in at cnt[p] (leaving it at zero) adds each column's gate and up partials in split order and stores silu_mul's
+// arithmetic on them: gemv_combine_sm's code, so the same bits as the two launches.
+__device__ __forceinline__ void gv_split_silu(const float* __restrict__ part, int S, int M, int I, int cols,
+                                              scalar_t* __restrict__ out, int* cnt) {
+    __shared__ int gv_flag;
+    const int pair = (int)blockIdx.x % ((int)gridDim.x >> 1);
+    if (!gv_last_in(cnt + pair, 2 * S, &gv_flag)) return;
+    const long long MN = 2LL * M * I;
+    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols;
+        const long long n = (long long)pair * cols + i % cols, g0 = (long long)m * 2 * I + n;
+        float gate = 0.f, up = 0.f;
+        for (int j = 0; j < S; ++j) {
+            gate += __ldcg(part + j * MN + g0);
+            up += __ldcg(part + j * MN + g0 + I);
+        }
+        out[(long long)m * I + n] = gv_silu_mul(gate, up);
+    }
+}
+
 // One batch of U vectors of each of the C rows at vectors v, v + 32, ... into acc (the order of k per lane
 // is the same whatever U is: vectors in increasing order).
 // CGX: x was stored by other blocks of this launch (the MLP form's activation): read past L1.
@@ -553,6 +581,15 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         PDL_TRIGGER();                                                                                            \
         gv_simt<GV_MB, GV_C, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                 \
                                           GvEpi{r, rs, nw, y, s, cnt, eps}, blockIdx.x);                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_ss(             \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,        \
+        int* __restrict__ cnt) {                                                                                  \
+        PDL_TRIGGER();                                                                                            \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok, GvEpi{},       \
+                                           blockIdx.x);                                                          \
+        gv_split_silu(part, (int)gridDim.y, M, N / 2, (int)(blockDim.x >> 5) * GV_C, out, cnt);                  \
     }
 // The activation form: C = 2 only (a warp's gate and up rows).
 #define GEMV_SIMT_SM(GV_MB)                                                                                       \
@@ -844,6 +881,15 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         gv_tc<GV_MT, GV_CT, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, blockIdx.x);          \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_ss(              \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,        \
+        int* __restrict__ cnt) {                                                                                  \
+        PDL_TRIGGER();                                                                                            \
+        (void)vec_ok;                                                                                             \
+        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, GvEpi{}, blockIdx.x);   \
+        gv_split_silu(part, (int)gridDim.y, M, N / 2, 16 * GV_CT, out, cnt);                                     \
     }
 #ifndef GV_DR_DK
 GEMV_TC(1, 1)
