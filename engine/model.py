@@ -345,12 +345,18 @@ class Model:
         """Greedy pick per row over the first n vocabulary ids (0 = all): (token, prob) on the device, written
         into `out` (token, prob) when given. Vocab-parallel: each rank sends (max, index, sum of exp) per row,
         never its logits."""
-        if self.head is not None or self.combine == "gather":
+        if self._logits_whole:
             return ops.argmax_prob(self.lm_head(hidden, n), n, out)
         limit = n if n > 0 else self.cfg.vocab_size
         hi = min(self.vocab_hi, limit)
         local = self._head_product(hidden, self.head_slice[: hi - self.vocab_lo]) if hi > self.vocab_lo else None
         return _into(out, *self._distributed_argmax(hidden.shape[0], local, self.vocab_lo))
+
+    @property
+    def _logits_whole(self) -> bool:
+        """Whether lm_head gives this rank every logit (one device, a mirrored head, or logits gathered), so a pick
+        is the argmax kernel over them rather than the distributed argmax."""
+        return self.head is not None or self.combine == "gather"
 
     def pick_accept(
         self,
@@ -364,7 +370,7 @@ class Model:
     ) -> None:
         """The verify's greedy pick over all ids and its acceptance of `drafts` (ops.greedy_accept's writes to `out`
         and `cache_len`): one launch where the logits are whole on this rank (ops.argmax_greedy_accept)."""
-        if self.head is not None or self.combine == "gather":
+        if self._logits_whole:
             ops.argmax_greedy_accept(self.lm_head(hidden, 0), 0, drafts, draft_probs, p_min, cache_len, out, start)
             return
         target_tokens, _ = self.pick(hidden, 0)
@@ -409,7 +415,7 @@ class Model:
         ids = self.draft_ids(n)
         if ids is None:
             return self.pick(hidden, n, out)
-        if self.head is not None or self.combine == "gather":
+        if self._logits_whole:
             tok, prob = ops.argmax_prob(self.draft_logits(hidden, n), 0)
             return _into(out, ids.index_select(0, tok), prob)
         c = bisect.bisect_left(self._remap_pos, n)  # this rank's rows among the first n of the order

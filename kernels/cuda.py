@@ -1210,12 +1210,14 @@ def _writable(x: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.d
     return x.shape == shape and x.dtype == dtype and x.device == device and (shape[0] <= 1 or x.stride(0) == 1)
 
 
-def _argmax_parts(t: int, n: int, device: torch.device) -> tuple[int, int]:
-    """(parts a row, ids a part: a multiple of 8) for argmax over n ids of t rows."""
-    parts = max(1, min(-(-2 * _sms(device) // t), -(-n // _AM_MIN_PER_BLOCK), 1024))
+def _argmax_parts(lg: torch.Tensor, n: int) -> tuple[int, int, int]:
+    """(parts a row, ids a part: a multiple of 8, vec_ok) for argmax over the first n ids of each row of `lg`."""
+    t = lg.shape[0]
+    parts = max(1, min(-(-2 * _sms(lg.device) // t), -(-n // _AM_MIN_PER_BLOCK), 1024))
     chunk = -(-n // parts)
     chunk = -(-chunk // 8) * 8
-    return -(-n // chunk), chunk
+    vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    return -(-n // chunk), chunk, vec_ok
 
 
 def argmax_prob(
@@ -1237,8 +1239,7 @@ def argmax_prob(
     if t == 0 or n == 0:
         return tok, prob
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
-    parts, chunk = _argmax_parts(t, n, logits.device)
-    vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    parts, chunk, vec_ok = _argmax_parts(lg, n)
     cnt = None
     if parts > 1:
         ws = torch.empty((3, t, parts), dtype=torch.float32, device=logits.device)
@@ -1379,8 +1380,7 @@ def argmax_greedy_accept(
         greedy_accept(drafts, draft_probs, tok, p_min, cache_len, out, start)
         return tok, prob
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
-    parts, chunk = _argmax_parts(t, n, logits.device)
-    vec_ok = int(lg.data_ptr() % 16 == 0 and (lg.stride(0) * lg.element_size()) % 16 == 0)
+    parts, chunk, vec_ok = _argmax_parts(lg, n)
     ws = torch.empty((3, t, parts), dtype=torch.float32, device=logits.device)
     tok = torch.empty((t,), dtype=torch.int64, device=logits.device)
     prob = torch.empty((t,), dtype=torch.float32, device=logits.device)
@@ -1959,14 +1959,19 @@ def _gemv_tile_cols(name: str, block: tuple) -> int:
     return block[0] // 32 * c if name.startswith("gemv_simt_") else 16 * c
 
 
+def _gemv_split_silu_pairs(name: str, block: tuple, i: int) -> bool:
+    """Whether a K-split gate|up launch (plain kernel `name`, `block`) over [2 i, K] takes the "_ss" form: on
+    (_GEMV_SPLIT_SILU) and its column tiles pairing the gate half with the up half (i a whole number of tiles)."""
+    return _GEMV_SPLIT_SILU and i % _gemv_tile_cols(name, block) == 0
+
+
 def gemv_silu_one_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
     """Whether gemv_silu_mul of `variant` is one launch for these operands: a variant without K splits (the "_sm"
-    form), or one that splits K whose column tiles pair the gate half with the up half (I a whole number of tiles:
-    the "_ss" form, _GEMV_SPLIT_SILU on). Otherwise (or the reference) not."""
+    form), or one that splits K in the "_ss" form (_gemv_split_silu_pairs). Otherwise (or the reference) not."""
     if not gemv_takes(x, w) or w.shape[0] % 2:
         return False
     name, _, block, _, _, splits = _gemv_launch(x, w, variant)
-    return splits == 1 or (_GEMV_SPLIT_SILU and w.shape[0] // 2 % _gemv_tile_cols(name, block) == 0)
+    return splits == 1 or _gemv_split_silu_pairs(name, block, w.shape[0] // 2)
 
 
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
@@ -1985,7 +1990,7 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     if splits > 1:
         out = torch.empty((m, i), dtype=x.dtype, device=x.device)
         cnt = None
-        if _GEMV_SPLIT_SILU and i % _gemv_tile_cols(name, block) == 0:
+        if _gemv_split_silu_pairs(name, block, i):
             cnt = _counters(x.device, ("gemv_ss", w.data_ptr()), grid[0] // 2)  # a pair of tiles each
         if cnt is not None:
             part = torch.empty((splits, m, 2 * i), dtype=torch.float32, device=x.device)
