@@ -21,7 +21,8 @@ and 9B-like target-only with the least keys a split takes (kernels.cuda._ATT_FOL
 set) at each value, in one process, the list twice (each run a new session: its plans captured with that value).
 --norm-bound: 9B-like target-only as is against the 64 add + norm epilogues of a token left out (a bound on any
 design that moves the norm out of the projection before it). --mlp-ab: each model target-only (gemm auto) with the
-MLP of one row as auto chose, in its separate launches, and in one launch with the fastest variant auto timed.
+MLP of one row as auto chose, in its separate launches, in one launch with the fastest per-launch variant auto
+timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
 """
 
 from __future__ import annotations
@@ -222,18 +223,23 @@ def mlp_ab(eng: Engine, a: argparse.Namespace, what: str = "9B-like") -> None:
     token takes; each run a new session (its plans captured with the setting)."""
     m, g = eng.model, eng.model._gemv
     auto = dict(g.mlp_choices)
-    forced = dict(auto)
+    forced, resident = dict(auto), dict(auto)
     for (n, k, b), times in g.timings.items():
         if b == -1:
             shown = ", ".join(f"{c} {t:.2f}" for c, t in sorted(times.items(), key=lambda ct: ct[1]))
             print(f"{what} {n}x{k} m1 mlp: auto {auto.get((n, k))}; us {shown}")
-            one = [c for c in times if c != "cublas"]
+            one = [c for c in times if c != "cublas" and not c.startswith("res")]
             if one:
                 forced[(n, k)] = min(one, key=times.get)
+            res = [c for c in times if c.startswith("res")]
+            if res:
+                resident[(n, k)] = min(res, key=times.get)
     target = EngineSettings(speculative=False, plan_pool=8)
     cells = [(True, auto, "MLP as auto chose"), (False, auto, "MLP separate launches")]
     if forced != auto:
         cells.append((True, forced, "MLP one launch, " + ", ".join(sorted(set(forced.values())))))
+    if resident != auto:
+        cells.append((True, resident, "MLP resident, " + ", ".join(sorted(set(resident.values())))))
     for fused, choices, tag in cells * 2:
         m.fuse_mlp = fused
         g.mlp_choices = dict(choices)

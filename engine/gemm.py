@@ -88,7 +88,9 @@ _RULE_MIN_BYTES = 32 << 20
 # The MLP of one row in one launch (GemvProducts.mlp_add_rmsnorm; kernels/cuda.py gemv_mlp_add_rmsnorm): the CUDA-core
 # variants of the down product it can run (the gate|up product takes the same warps), "auto" timing each against
 # the launches it replaces (the gate|up and down choices with their epilogues); mode "cupy" takes _MLP_DEFAULT.
-_MLP_VARIANTS = tuple(f"simt{c}.w{w}.s{s}" for c in (1, 2) for w in (4, 8) for s in (1, 2, 4))
+_MLP_VARIANTS = tuple(f"simt{c}.w{w}.s{s}" for c in (1, 2) for w in (4, 8) for s in (1, 2, 4)) + tuple(
+    f"res{c}.w{w}.s1" for c in (1, 2) for w in (4, 8)
+)  # res: every block resident, the activation staged once a block (bench/persistent_chain.py)
 _MLP_DEFAULT = "simt2.w8.s2"
 _MLP_LABEL = "m1 mlp"  # the cache's bucket label of the choice ("cublas" there: the launches it replaces)
 # The one launch is taken only where it times this fraction faster than the separate launches: the back-to-back timing
@@ -424,8 +426,9 @@ class GemvProducts:
             if candidate != "cublas":
                 if not ops.gemv_mlp_fits(x, gu, down, candidate):
                     continue
-                act = ops.gemv_silu_mul(x, gu, ops.gemv_unsplit(candidate))
-                want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, candidate)
+                twin = ops.gemv_twin(candidate)  # the launches whose bits it gives
+                act = ops.gemv_silu_mul(x, gu, ops.gemv_unsplit(twin))
+                want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, twin)
                 got = form(candidate, pairs[0])
                 if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
                     warnings.warn(

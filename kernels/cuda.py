@@ -16,6 +16,7 @@ PyTorch reference in `kernels/reference.py` (the ground truth, see tests/test_ke
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import warnings
@@ -2015,13 +2016,43 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     return out
 
 
+# The resident MLP (res variants): its staged activation at most this many bytes (with the kernel's static shared memory
+# under the 48 KiB a block has without opting in), and at most this many warps an SM (bench/persistent_chain.py: 16
+# warps an SM, 8 loads in flight a lane, was the fastest).
+_RMLP_SMEM = 40 * 1024
+_RMLP_WARPS_PER_SM = 16
+_resident: dict[tuple, int] = {}
+
+
+def _resident_grid(fn, dev: int, threads: int, smem: int) -> int:
+    """Blocks of `fn` to launch so that all are resident on the GPU at once: the driver's occupancy for `threads`
+    threads and `smem` bytes of shared memory (at most _RMLP_WARPS_PER_SM warps), times the SMs; 0 where the driver
+    cannot say or none fits."""
+    key = (dev, fn.ptr, threads, smem)
+    if key not in _resident:
+        n = ctypes.c_int(0)
+        try:
+            err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n), ctypes.c_void_p(fn.ptr), ctypes.c_int(threads), ctypes.c_size_t(smem)
+            )
+        except (OSError, AttributeError):
+            err = -1
+        per_sm = min(n.value, max(1, _RMLP_WARPS_PER_SM * 32 // threads))
+        _resident[key] = per_sm * _sms(torch.device("cuda", dev)) if err == 0 and n.value > 0 else 0
+    return _resident[key]
+
+
 def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, variant: str | None) -> bool:
     """Whether gemv_mlp_add_rmsnorm runs its one-launch kernel for these operands (else its two ops): one row,
-    16-byte vectors, a CUDA-core variant ("simt1|simt2.wW.sS") whose W warps divide the activation's width and
-    whose tile (W * C columns) divides the output's."""
+    16-byte vectors, a CUDA-core variant ("simt1|simt2.wW.sS") or a resident one ("res1|res2.wW.s1": no K split,
+    an activation of at most _RMLP_SMEM bytes) whose W warps divide the activation's width and whose tile (W * C
+    columns) divides the output's."""
     parsed = registry.parse_gemv_variant(variant) if variant is not None else None
-    if parsed is None or not parsed[0].startswith("simt") or x.dim() != 2 or x.shape[0] != 1:
+    if parsed is None or parsed[0].startswith("tc") or x.dim() != 2 or x.shape[0] != 1:
         return False
+    resident = parsed[0].startswith("res")
+    if resident and (parsed[2] != 1 or w_gate_up.shape[0] // 2 * x.element_size() > _RMLP_SMEM):
+        return False  # no K split; the activation staged in a block's shared memory
     if w_gate_up.dim() != 2 or w_down.dim() != 2 or w_gate_up.shape[0] % 2 or x.shape[1] != w_gate_up.shape[1]:
         return False
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
@@ -2058,7 +2089,10 @@ def gemv_mlp_add_rmsnorm(
     product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
     projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
     split as soon as its part of the activation is stored. The same bits as those two ops with those variants;
-    where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops."""
+    where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops. A resident
+    variant ("res{C}.wW.s1", gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making
+    its share of the activation, then (after a counter says every block is done) its down tiles from the activation
+    staged in its shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)
@@ -2069,11 +2103,22 @@ def gemv_mlp_add_rmsnorm(
     c = int(family[-1]) if fits else 0
     kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
     ntiles = n // (warps * c) if fits else 0
+    resident = family.startswith("res")
+    grid = (i // warps + ntiles * splits,)
+    smem = 0
+    if resident:
+        smem = i * x.element_size()
+        fn = _gemv_function(_dev_index(x.device), _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
+        grid = (_resident_grid(fn, _dev_index(x.device), warps * 32, smem),)
+        fits = grid[0] > 0
     cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
-    mcnt = _counters(x.device, ("gemv_mlp", w_down.data_ptr(), variant), 1 + splits) if cnt is not None else None
+    mkey = ("gemv_rmlp" if resident else "gemv_mlp", w_down.data_ptr(), variant)
+    mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
     if mcnt is None:
-        gu = registry.gemv_unsplit(variant) if fits else None
-        return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, variant)
+        named = registry.parse_gemv_variant(variant) is not None
+        twin = registry.gemv_twin(variant) if named else variant  # a resident variant: the launches of its bits
+        gu = registry.gemv_unsplit(twin) if named else None
+        return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, twin)
     act = torch.empty((1, i), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -2083,8 +2128,9 @@ def gemv_mlp_add_rmsnorm(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
     )  # fmt: skip
-    grid = (i // warps + ntiles * splits,)
-    _launch_gemv(f"gemv_simt_m1_c{c}_mlp", x.dtype, x.device, grid, (warps * 32,), args)
+    _launch_gemv(
+        f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}", x.dtype, x.device, grid, (warps * 32,), args, smem
+    )
     return y, s
 
 
@@ -2123,7 +2169,11 @@ def _gemv_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> tuple
     parsed = registry.parse_gemv_variant(variant) if variant is not None else None
     if variant is not None and parsed is None:
         raise ValueError(f"unknown gemv variant {variant!r}")
-    if parsed is None or (parsed[0].startswith("tc") and not (vec_ok and _tensor_cores(x.dtype, x.device))):
+    if (
+        parsed is None
+        or parsed[0].startswith("res")  # the resident MLP's family: not a plain product's launch
+        or (parsed[0].startswith("tc") and not (vec_ok and _tensor_cores(x.dtype, x.device)))
+    ):
         parsed = registry.parse_gemv_variant(gemv_default(m, n, k, x.dtype, x.device, vec_ok))
     family, warps, splits = parsed
     kchunk, splits = _gemv_splits(k, splits)

@@ -283,6 +283,8 @@ GemvMlpArgs = builder(
     ),
     "gemv_simt_m1_c1_mlp",
     "gemv_simt_m1_c2_mlp",
+    "gemv_simt_m1_c1_rmlp",
+    "gemv_simt_m1_c2_rmlp",
 )
 GemvCombineArgs = builder(
     "GemvCombineArgs",

@@ -186,6 +186,7 @@ def gemv_version() -> str:
 GEMV_MAX_ROWS = registry.GEMV_MAX_ROWS
 parse_gemv_variant = registry.parse_gemv_variant
 gemv_unsplit = registry.gemv_unsplit
+gemv_twin = registry.gemv_twin
 
 
 def fallbacks() -> dict[str, int]:

@@ -55,7 +55,9 @@ GEMV_MAX_ROWS = 17
 GEMV_FAMILIES = ("simt1", "simt2", "tc1", "tc2")
 GEMV_MAX_WARPS = 8
 GEMV_MAX_SPLITS = 64
-_GEMV_VARIANT = re.compile(r"(simt1|simt2|tc1|tc2)\.w([1-8])\.s([1-9][0-9]?)")
+# res1 / res2: the one-launch MLP with every block resident (kernels/cuda.py gemv_mlp_add_rmsnorm), no K split; a
+# plain product given one runs its default launch.
+_GEMV_VARIANT = re.compile(r"(simt1|simt2|tc1|tc2|res1|res2)\.w([1-8])\.s([1-9][0-9]?)")
 
 
 def parse_gemv_variant(name: object) -> tuple[str, int, int] | None:
@@ -69,6 +71,13 @@ def parse_gemv_variant(name: object) -> tuple[str, int, int] | None:
     if warps not in (1, 2, 4, 8) or splits > GEMV_MAX_SPLITS:
         return None
     return m.group(1), warps, splits
+
+
+def gemv_twin(variant: str) -> str:
+    """The CUDA-core variant whose launches a resident MLP variant gives the bits of ("res2.w8.s1" -> "simt2.w8.s1");
+    any other variant itself."""
+    family, warps, splits = parse_gemv_variant(variant)
+    return f"simt{family[3]}.w{warps}.s{splits}" if family.startswith("res") else variant
 
 
 def gemv_unsplit(variant: str) -> str:

@@ -73,6 +73,8 @@ def test_without_the_cuda_kernels_the_engine_helpers_say_no(monkeypatch):
         ("tc2.w4.s1", ("tc2", 4, 1)),
         ("simt1.w1.s64", ("simt1", 1, 64)),
         ("simt2.w2.s10", ("simt2", 2, 10)),
+        ("res2.w8.s1", ("res2", 8, 1)),
+        ("res3.w8.s1", None),
         ("tc1.w3.s2", None),  # 3 warps: not a power of two
         ("tc1.w8.s0", None),
         ("tc1.w8.s65", None),
@@ -88,3 +90,10 @@ def test_without_the_cuda_kernels_the_engine_helpers_say_no(monkeypatch):
 )
 def test_variant_names_are_parsed_strictly(name, parsed):
     assert registry.parse_gemv_variant(name) == parsed
+
+
+def test_a_resident_mlp_variant_names_the_launches_whose_bits_it_gives():
+    assert registry.gemv_twin("res2.w8.s1") == "simt2.w8.s1"
+    assert registry.gemv_twin("res1.w4.s1") == "simt1.w4.s1"
+    assert registry.gemv_twin("tc1.w8.s2") == "tc1.w8.s2"
+    assert registry.gemv_unsplit(registry.gemv_twin("res2.w4.s1")) == "simt2.w4.s1"

@@ -535,6 +535,7 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
 
 
 MLP_VARIANTS = [f"simt{c}.w{w}.s{s}" for c in (1, 2) for w in (4, 8) for s in (1, 2, 4)]
+MLP_VARIANTS += [f"res{c}.w{w}.s1" for c in (1, 2) for w in (4, 8)]  # every block resident
 
 
 def _launched(kc, fn):
@@ -550,9 +551,9 @@ def _launched(kc, fn):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("i,k,n", [(12288, 4096, 4096), (1536, 1024, 1024), (260, 136, 120)])
 def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, i, k, n):
-    """The MLP of one row and the add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): for every variant it
-    takes, y and s bit for bit gemv_silu_mul (its warps, no K split) then gemv_add_rmsnorm (the variant), one
-    launch, close to the reference. (260, 136, 120): 260 columns are no whole number of 8-warp blocks (nor of bf16
+    """The MLP of one row and the add + norm after it in one launch (gemv_simt_m1_c{C}_mlp, or _rmlp for a resident
+    variant): for every variant it takes, y and s bit for bit gemv_silu_mul (its warps, no K split) then
+    gemv_add_rmsnorm (the variant; a resident one's CUDA-core twin), one launch, close to the reference. (260, 136, 120): 260 columns are no whole number of 8-warp blocks (nor of bf16
     vectors) and 120 no whole number of 16-column tiles, so those variants are the two ops, with the same bits."""
     gu, down = weight(2 * i, k, dtype), weight(n, i, dtype)
     x, r = rows(1, k, dtype, seed=5), rows(1, n, dtype, seed=6)
@@ -563,13 +564,17 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
         family, warps, _ = kc.registry.parse_gemv_variant(variant)
         whole = i % (16 // x.element_size()) == 0  # the activation is whole 16-byte vectors (down reads it so)
         fits = whole and i % warps == 0 and n % (warps * int(family[-1])) == 0
+        if family.startswith("res"):  # the activation staged in shared memory
+            fits = fits and i * x.element_size() <= kc._RMLP_SMEM
         assert kc.gemv_mlp_fits(x, gu, down, variant) == fits, variant
         (y, s), names = _launched(kc, lambda v=variant: kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, v))
-        act = kc.gemv_silu_mul(x, gu, f"{family}.w{warps}.s1")
-        y2, s2 = kc.gemv_add_rmsnorm(act, down, r, nw, 1e-6, variant)
+        twin = kc.registry.gemv_twin(variant)
+        act = kc.gemv_silu_mul(x, gu, kc.registry.gemv_unsplit(twin))
+        y2, s2 = kc.gemv_add_rmsnorm(act, down, r, nw, 1e-6, twin)
         label = f"{i}x{k} then {n}x{i} {dtype} {variant}"
         assert torch.equal(y, y2) and torch.equal(s, s2), label
-        assert (names == [f"gemv_simt_m1_c{family[-1]}_mlp"]) == fits, (label, names)
+        kernel = "rmlp" if family.startswith("res") else "mlp"
+        assert (names == [f"gemv_simt_m1_c{family[-1]}_{kernel}"]) == fits, (label, names)
         fused += fits
         close(s, want_s, label + " s")
         close(y, want_y, label + " y")
@@ -602,7 +607,7 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
         return out
 
     try:
-        for variant in ("simt2.w8.s2", "simt1.w4.s4", "simt2.w4.s1"):
+        for variant in ("simt2.w8.s2", "simt1.w4.s4", "simt2.w4.s1", "res2.w8.s1", "res1.w4.s1"):
             x_in, r_in = rows(1, k, dtype, seed=1), rows(1, k, dtype, seed=2)
             chain(x_in, r_in, variant)  # eager first: the counters are made outside the capture
             stream = torch.cuda.Stream()
@@ -622,7 +627,10 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
                 assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), (variant, seed)
             # every launch hands its ticket and chunk counters back at zero, or the next one would wait forever
             splits = kc._gemv_splits(i, kc.registry.parse_gemv_variant(variant)[2])[1]
-            mcnt = kc._counters(CUDA, ("gemv_mlp", down.data_ptr(), variant), 1 + splits)
+            if variant.startswith("res"):
+                mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+            else:
+                mcnt = kc._counters(CUDA, ("gemv_mlp", down.data_ptr(), variant), 1 + splits)
             assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
     finally:
         kc.set_pdl(False)

@@ -423,8 +423,14 @@ __device__ __forceinline__ void gv_split_silu(const float* __restrict__ part, in
 
 // One batch of U vectors of each of the C rows at vectors v, v + 32, ... into acc (the order of k per lane
 // is the same whatever U is: vectors in increasing order).
-// CGX: x was stored by other blocks of this launch (the MLP form's activation): read past L1.
-template <int MB, int C, int U, bool CGX = false>
+// XM, where x is read from: 0 global (read-only loads), 1 global past L1 (x was stored by other blocks of this launch:
+// the MLP form's activation), 2 shared memory (the resident MLP form's activation, staged by the block).
+template <int XM>
+__device__ __forceinline__ uint4 gv_ld_xm(const scalar_t* p) {
+    if (XM == 2) return *reinterpret_cast<const uint4*>(p);
+    return XM == 1 ? gv_ld_cg(p) : gv_ld_x(p);
+}
+template <int MB, int C, int U, int XM = 0>
 __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (&wv)[U][C],
                                               const scalar_t* __restrict__ x, long long xs, int M, int v) {
 #pragma unroll
@@ -437,7 +443,7 @@ __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (
             if (m < M) {
                 float xf[GV_VEC];
                 const scalar_t* xp = x + m * xs + (long long)(v + u * 32) * GV_VEC;
-                gv_unpack(CGX ? gv_ld_cg(xp) : gv_ld_x(xp), xf);
+                gv_unpack(gv_ld_xm<XM>(xp), xf);
 #pragma unroll
                 for (int c = 0; c < C; ++c)
 #pragma unroll
@@ -459,12 +465,13 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
 // The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N. split: the K split
 // (blockIdx.y where negative). wait_at: after the PDL wait, lane 0 also waits until *wait_at >= wait_for (the MLP form:
 // the activation's K range of this split stored by the launch's other blocks), x then read with CGX loads.
-template <int MB, int C, bool SM, bool CGX = false>
+// UL: 16-byte W loads in flight per lane (U * C; the order of k per lane is the same whatever it is).
+template <int MB, int C, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
                                              long long n0, int split, const int* wait_at, int wait_for) {
-    constexpr int U = C == 1 ? 4 : 2;  // 16-byte W loads in flight per lane: U * C = 4
+    constexpr int U = UL / C;  // 16-byte W loads in flight per lane: U * C = UL
     const int lane = threadIdx.x & 31;
     const int s = split >= 0 ? split : (int)blockIdx.y;
     const int k0 = s * kchunk;
@@ -549,7 +556,7 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 // (one output column a warp).
 // bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
 // split, S, wait_at, wait_for: the MLP form's (see gv_simt_cols; split < 0: blockIdx.y of gridDim.y splits).
-template <int MB, int C, bool EPI, bool SM, bool CGX = false>
+template <int MB, int C, bool EPI, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                         int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx,
@@ -558,7 +565,8 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
     constexpr int OC = SM ? 1 : C;  // output columns a warp
     const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
-        gv_simt_cols<MB, C, SM, CGX>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at, wait_for);
+        gv_simt_cols<MB, C, SM, CGX, UL>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
+                                         wait_for);
     else
         PDL_WAIT();
     if (EPI) gv_add_norm(part, split >= 0 ? S : (int)gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
@@ -653,6 +661,93 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         gv_simt<1, GV_C, true, false, true>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,  \
                                             mcnt + 1 + sp, (hi - 1) / warps - lo / warps + 1);                    \
     }
+
+// gemv_simt_m1_c{C}_rmlp (GemvMlpArgs; kchunk = I, S = 1): the MLP of one row in one launch with every block resident
+// at once (grid: the blocks that fit on the GPU together, kernels/cuda.py; the "res{C}.wW.s1" variants), so no block
+// takes a role and none is scheduled late (bench/persistent_chain.py measured the design):
+//  1. each block makes the activation's column tiles blockIdx.x, + G, ... (gemv_simt_m1_c2_sm's code: a warp a
+//     column, no K split), then counts in at mcnt[0] (release);
+//  2. each block with a column tile of the down product issues its warps' first W loads, waits until every block
+//     has counted in (acquire), stages the whole activation in shared memory (read past L1, once a block instead of
+//     once a warp), then makes the tile (gemv_simt_m1_c{C}'s code, its vectors in the same order, so the same sums)
+//     and gv_add_norm's add + norm (the _an form's code and counters cnt, no split).
+// The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). The launch's last
+// tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
+// while every block is resident (the grid is sized so), so the wait always ends. Needs vec_ok, I a multiple of the
+// warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
+#define GV_RMLP_LOADS 8  // 16-byte W loads in flight per lane (fewer, fatter blocks than the per-launch forms')
+template <int C>
+__device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg,
+                                                long long wgs, scalar_t* act, int I, int K,
+                                                const scalar_t* __restrict__ wd, long long wds,
+                                                float* __restrict__ part, int N, const scalar_t* __restrict__ r,
+                                                const float* __restrict__ nw, scalar_t* __restrict__ y,
+                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps) {
+    extern __shared__ uint4 gv_act4[];
+    constexpr int U = GV_RMLP_LOADS / C;  // twice gv_simt_cols's loads in flight (the same order of k per lane)
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ngu = I / warps, ntiles = N / (warps * C);
+    for (int t = blockIdx.x; t < ngu; t += gridDim.x)
+        gv_simt<1, 2, false, true, false, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
+    PDL_WAIT();  // (a block without an activation tile has not waited yet)
+    __syncthreads();  // the block's columns are stored
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt) : "memory");
+    const int v1 = I / GV_VEC;
+    const scalar_t* xa = reinterpret_cast<const scalar_t*>(gv_act4);
+    bool staged = false;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const long long n0 = ((long long)tile * warps + (threadIdx.x >> 5)) * C;
+        const scalar_t* wr[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) wr[c] = wd + (n0 + c) * wds;
+        float acc[C][1];
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[c][0] = 0.f;
+        int v = lane;
+        uint4 wv[U][C];
+        const bool pre = v + (U - 1) * 32 < v1;
+        if (pre) gv_ld_w_batch<U, C>(wv, wr, v);  // in flight during the wait and the staging
+        if (!staged) {
+            if (threadIdx.x == 0) gv_wait_count(mcnt, (int)gridDim.x);
+            __syncthreads();
+            for (int i = threadIdx.x; i < v1; i += blockDim.x) gv_act4[i] = gv_ld_cg(act + (long long)i * GV_VEC);
+            __syncthreads();
+            staged = true;
+        }
+        if (pre) {
+            gv_simt_batch<1, C, U, 2>(acc, wv, xa, 0, 1, v);
+            v += U * 32;
+        }
+        for (; v + (U - 1) * 32 < v1; v += U * 32) {
+            gv_ld_w_batch<U, C>(wv, wr, v);
+            gv_simt_batch<1, C, U, 2>(acc, wv, xa, 0, 1, v);
+        }
+        for (; v < v1; v += 32) {
+            uint4 w1[1][C];
+            gv_ld_w_batch<1, C>(w1, wr, v);
+            gv_simt_batch<1, C, 1, 2>(acc, w1, xa, 0, 1, v);
+        }
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[c][0] = gv_warp_sum(acc[c][0]);
+        if (lane == 0)
+#pragma unroll
+            for (int c = 0; c < C; ++c) part[n0 + c] = acc[c][0];
+        GvEpi e{r, N, nw, y, s, cnt, eps};
+        e.tile = tile;
+        e.ntiles = ntiles;
+        e.zero = mcnt;
+        e.nzero = 1;
+        gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);
+    }
+}
+#define GEMV_SIMT_RMLP(GV_C)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m1_c##GV_C##_rmlp(                  \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
+        int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
+        const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
+        PDL_TRIGGER();                                                                                            \
+        gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps);              \
+    }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
@@ -666,6 +761,8 @@ GEMV_SIMT_SM(1)
 GEMV_SIMT_SM(4)
 GEMV_SIMT_MLP(1)
 GEMV_SIMT_MLP(2)
+GEMV_SIMT_RMLP(1)
+GEMV_SIMT_RMLP(2)
 GEMV_SIMT_SM(8)
 GEMV_SIMT_SM(17)
 #endif
