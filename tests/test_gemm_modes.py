@@ -403,6 +403,13 @@ def test_the_one_launch_mlp_must_win_by_its_margin():
     assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin) - 0.01, "tc1.w8.s2": 9.5}) == "simt2.w8.s4"
     assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin / 2)}) == "cublas"
     assert gemm.pick_mlp({"cublas": 10.0}) == "cublas"
+    # a resident variant has its own, smaller margin: taken ahead of a faster per-launch form that misses its own
+    res = gemm._RESIDENT_MLP_MARGIN
+    assert res < margin
+    times = {"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res) - 0.01, "simt2.w8.s4": 10.0 * (1 - margin) + 0.01}
+    assert gemm.pick_mlp(times) == "res2.w8.s1"
+    assert gemm.pick_mlp({"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res / 2)}) == "cublas"
+    assert gemm.pick_mlp({"res2.w8.s1": 1.0}) == "cublas"  # nothing to compare with
 
 
 def test_auto_measures_the_mlp_only_outside_a_capture(fake_mlp, tmp_path):
