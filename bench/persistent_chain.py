@@ -246,6 +246,11 @@ GLUE = {"x0": 0, "copy": 1, "silu": 1, "norm": 3}  # the consumer's staging
 OUT = {None: 0, "copy": 1, "silu": 2, "norm": 3}  # what the product before the glue stores
 
 
+def _next_glue(spec, i: int) -> str | None:
+    """The glue of the step after step i (None for the last): what step i's output feeds."""
+    return spec[i + 1][2] if i + 1 < len(spec) else None
+
+
 def _occupancy(fn_ptr: int, threads: int, smem: int) -> int:
     lib = ctypes.CDLL("libcuda.so.1")
     n = ctypes.c_int(0)
@@ -269,19 +274,18 @@ class Chain:
         self.res = torch.randn(4096, device=dev, generator=g).to(torch.bfloat16)
         self.nw = (1 + 0.1 * torch.randn(4096, device=dev, generator=g)).float()
         self.nbytes = sum(n * k * 2 for n, k, _, _ in spec)
-        desc = np.zeros((len(spec), 4), dtype=np.int64)  # Step: w, y, (N, K), (glue, pad)
+        desc = np.zeros((len(spec), 4), dtype=np.int64)  # Step: w, y, (N, K), (glue, out)
         for i, (n, k, glue, _) in enumerate(spec):
             desc[i, 0] = self.w[i].data_ptr()
             desc[i, 1] = self.y[i].data_ptr()
             desc[i, 2] = n | (k << 32)
-            nxt = spec[i + 1][2] if i + 1 < len(spec) else None
-            desc[i, 3] = GLUE[glue] | (OUT[nxt] << 32)
+            desc[i, 3] = GLUE[glue] | (OUT[_next_glue(spec, i)] << 32)
         self.desc = torch.from_numpy(desc).to(dev)
         self.done = torch.zeros(len(spec), dtype=torch.int32, device=dev)
         self.err = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def glue_ref(self, i: int) -> torch.Tensor:
-        n, k, glue, _ = self.spec[i]
+        _, k, glue, _ = self.spec[i]
         if glue == "x0":
             return self.x0
         prev = self.ref_y[i - 1]
@@ -304,9 +308,8 @@ class Chain:
 
 
 def persistent_seconds(chain: Chain, fn, grid: int, threads: int, smem: int, mode: int = 0) -> float:
-    head = (np.uint64(chain.desc.data_ptr()), np.int32(len(chain.spec)))
     args = (
-        *head, np.uint64(chain.x0.data_ptr()), np.uint64(chain.res.data_ptr()), np.uint64(chain.nw.data_ptr()),
+        np.uint64(chain.desc.data_ptr()), np.int32(len(chain.spec)), np.uint64(chain.x0.data_ptr()), np.uint64(chain.res.data_ptr()), np.uint64(chain.nw.data_ptr()),
         np.float32(1e-6), np.uint64(chain.done.data_ptr()), np.uint64(chain.err.data_ptr()), np.int32(mode),
     )  # fmt: skip
 
@@ -326,7 +329,7 @@ def engine_seconds(chain: Chain, variants: dict[str, str | None]) -> float:
         x = chain.x0.view(1, -1)
         for i, (*_, name) in enumerate(chain.spec):
             v = variants.get(name)
-            nxt = chain.spec[i + 1][2] if i + 1 < len(chain.spec) else None
+            nxt = _next_glue(chain.spec, i)
             if name == "gate|up":
                 x = kc.gemv_silu_mul(x, chain.w[i], v)
             elif nxt == "norm":
@@ -380,10 +383,8 @@ def main() -> int:
             print(
                 f"engine kernels {v or 'defaults'}: {t * 1e6:8.2f} us  {100 * chain.nbytes / t / bw:5.1f}% of copy bw"
             )
+        smem = kmax * 2  # x in bf16 (24 KiB at most here: under the 48 KiB a block has without opting in)
         for name, rk, threads, bps in kernels:
-            smem = kmax * 2
-            if smem > 48 * 1024:
-                rk.max_dynamic_shared_size_bytes = smem
             fn = rk.kernel
             if bps > _occupancy(fn.ptr, threads, smem):
                 continue
