@@ -26,7 +26,6 @@ The persistent chain's last output is checked against a torch reference of the s
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 
@@ -251,17 +250,6 @@ def _next_glue(spec, i: int) -> str | None:
     return spec[i + 1][2] if i + 1 < len(spec) else None
 
 
-def _occupancy(fn_ptr: int, threads: int, smem: int) -> int:
-    lib = ctypes.CDLL("libcuda.so.1")
-    n = ctypes.c_int(0)
-    err = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(fn_ptr), ctypes.c_int(threads), ctypes.c_size_t(smem)
-    )
-    if err != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUresult {err}")
-    return n.value
-
-
 class Chain:
     """Weights (distinct, past L2), outputs, and the reference for one chain spec."""
 
@@ -386,7 +374,7 @@ def main() -> int:
         smem = kmax * 2  # x in bf16 (24 KiB at most here: under the 48 KiB a block has without opting in)
         for name, rk, threads, bps in kernels:
             fn = rk.kernel
-            if bps > _occupancy(fn.ptr, threads, smem):
+            if bps > kc.occupancy(fn, threads, smem):
                 continue
             for mode, what in modes.items():
                 chain.err.zero_()

@@ -2021,15 +2021,14 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
 # warps an SM, 8 loads in flight a lane, was the fastest).
 _RMLP_SMEM = 40 * 1024
 _RMLP_WARPS_PER_SM = 16
-_resident: dict[tuple, int] = {}
+_occupancy_cache: dict[tuple, int] = {}
 
 
-def _resident_grid(fn, dev: int, threads: int, smem: int) -> int:
-    """Blocks of `fn` to launch so that all are resident on the GPU at once: the driver's occupancy for `threads`
-    threads and `smem` bytes of shared memory (at most _RMLP_WARPS_PER_SM warps), times the SMs; 0 where the driver
-    cannot say or none fits."""
-    key = (dev, fn.ptr, threads, smem)
-    if key not in _resident:
+def occupancy(fn, threads: int, smem: int) -> int:
+    """How many blocks of `fn` (a CuPy RawKernel's function) with `threads` threads and `smem` bytes of dynamic
+    shared memory the driver says one SM holds at once; 0 where the driver cannot say."""
+    key = (fn.ptr, threads, smem)
+    if key not in _occupancy_cache:
         n = ctypes.c_int(0)
         try:
             err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -2037,9 +2036,16 @@ def _resident_grid(fn, dev: int, threads: int, smem: int) -> int:
             )
         except (OSError, AttributeError):
             err = -1
-        per_sm = min(n.value, max(1, _RMLP_WARPS_PER_SM * 32 // threads))
-        _resident[key] = per_sm * _sms(torch.device("cuda", dev)) if err == 0 and n.value > 0 else 0
-    return _resident[key]
+        _occupancy_cache[key] = n.value if err == 0 else 0
+    return _occupancy_cache[key]
+
+
+def _resident_grid(fn, dev: int, threads: int, smem: int) -> int:
+    """Blocks of `fn` to launch so that all are resident on the GPU at once: the driver's occupancy for `threads`
+    threads and `smem` bytes of shared memory (at most _RMLP_WARPS_PER_SM warps), times the SMs; 0 where the driver
+    cannot say or none fits."""
+    per_sm = min(occupancy(fn, threads, smem), max(1, _RMLP_WARPS_PER_SM * 32 // threads))
+    return per_sm * _sms(torch.device("cuda", dev))
 
 
 def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, variant: str | None) -> bool:
