@@ -2095,7 +2095,8 @@ def gemv_mlp_add_rmsnorm(
     product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
     projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
     split as soon as its part of the activation is stored. The same bits as those two ops with those variants;
-    where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops. A resident
+    where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops (gate|up with the
+    variant's unsplit form, registry.gemv_unsplit, whatever the rows). A resident
     variant ("res{C}.wW.s1", gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making
     its share of the activation, then (after a counter says every block is done) its down tiles from the activation
     staged in its shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
@@ -2110,9 +2111,9 @@ def gemv_mlp_add_rmsnorm(
     kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
     ntiles = n // (warps * c) if fits else 0
     resident = family.startswith("res")
-    grid = (i // warps + ntiles * splits,)
+    grid = (i // warps + ntiles * splits,) if fits else (0,)
     smem = 0
-    if resident:
+    if resident and fits:
         smem = i * x.element_size()
         fn = _gemv_function(_dev_index(x.device), _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
         grid = (_resident_grid(fn, _dev_index(x.device), warps * 32, smem),)

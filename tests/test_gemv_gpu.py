@@ -579,11 +579,12 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
         close(s, want_s, label + " s")
         close(y, want_y, label + " y")
     assert fused >= (4 if x.element_size() == 4 or i % 8 == 0 else 0)
-    # more than one row: the two ops (gemv_mlp_fits says no; gate|up on its default launch), the same bits as them
+    # more than one row: the two ops (gemv_mlp_fits says no; gate|up on the variant's unsplit form, as for one row
+    # that does not fit), the same bits as them
     x3, r3 = rows(3, k, dtype, seed=8), rows(3, n, dtype, seed=9)
     assert not kc.gemv_mlp_fits(x3, gu, down, "simt2.w4.s2")
     y, s = kc.gemv_mlp_add_rmsnorm(x3, gu, down, r3, nw, 1e-6, "simt2.w4.s2")
-    y2, s2 = kc.gemv_add_rmsnorm(kc.gemv_silu_mul(x3, gu), down, r3, nw, 1e-6, "simt2.w4.s2")
+    y2, s2 = kc.gemv_add_rmsnorm(kc.gemv_silu_mul(x3, gu, "simt2.w4.s1"), down, r3, nw, 1e-6, "simt2.w4.s2")
     assert torch.equal(y, y2) and torch.equal(s, s2)
 
 
