@@ -103,6 +103,11 @@ _MLP_MARGIN = 0.10
 # block's norm is the launch's only tail) and agreed with decode in the one run on the H200 (timed 2.6% ahead of the
 # separate launches, decode 1.0% faster; bench/results/h200-persistent-chain-2026-12-03.txt section 5).
 _RESIDENT_MLP_MARGIN = 0.02
+# ... and only for an MLP of at least this many weight bytes (gate|up and down): a resident launch of a small MLP is
+# mostly its blocks' start and their wait for one another, and decode does not follow its timing there (the bundled
+# model, 4.7 MB: timed 1.7% ahead, decode 3316 / 1452 against 3399 / 2607 t/s with the separate launches; the 9B-like
+# 302 MB MLP: timed 4.1% ahead, decode 1.8% faster; bench/results/h200-persistent-chain-2026-12-03.txt section 6).
+_RESIDENT_MIN_BYTES = 32 << 20
 
 _compiled = None
 
@@ -426,7 +431,7 @@ class GemvProducts:
             return ops.gemv_mlp_add_rmsnorm(x, pair[0], pair[1], r, nw, eps, candidate)
 
         times: dict[str, float] = {}
-        for candidate in ["cublas", *_MLP_VARIANTS]:
+        for candidate in ["cublas", *mlp_candidates(gu, down)]:
             if candidate != "cublas":
                 if not ops.gemv_mlp_fits(x, gu, down, candidate):
                     continue
@@ -543,6 +548,13 @@ def pick(
     one, rival = min(fused, key=times.get), min(rivals, key=times.get)
     margin = -_NORM_ROWS_MARGIN if epilogue == "norm" and rows > 1 else _ONE_LAUNCH_MARGIN
     return one if times[one] <= times[rival] * (1.0 + margin) else rival
+
+
+def mlp_candidates(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[str, ...]:
+    """The one-launch MLP variants auto times for these weights: every one, but the resident ones only for an MLP of
+    at least _RESIDENT_MIN_BYTES."""
+    size = w_gate_up.numel() * w_gate_up.element_size() + w_down.numel() * w_down.element_size()
+    return tuple(v for v in _MLP_VARIANTS if size >= _RESIDENT_MIN_BYTES or not v.startswith("res"))
 
 
 def pick_mlp(times: dict[str, float]) -> str:

@@ -412,6 +412,17 @@ def test_the_one_launch_mlp_must_win_by_its_margin():
     assert gemm.pick_mlp({"res2.w8.s1": 1.0}) == "cublas"  # nothing to compare with
 
 
+def test_resident_mlp_variants_are_timed_only_for_a_large_mlp():
+    """auto times the resident one-launch MLP only where the MLP's weights reach _RESIDENT_MIN_BYTES (a small one's
+    resident launch is mostly its blocks waiting for one another); the per-launch variants always."""
+    small = (torch.empty(2 * 1024, 384), torch.empty(384, 1024))  # the bundled model's MLP in fp32, 4.7 MB
+    rows = gemm._RESIDENT_MIN_BYTES // (3 * 4096 * 2) + 1
+    large = (torch.empty(2 * rows, 4096, dtype=torch.bfloat16), torch.empty(4096, rows, dtype=torch.bfloat16))
+    per_launch = [v for v in gemm._MLP_VARIANTS if not v.startswith("res")]
+    assert list(gemm.mlp_candidates(*small)) == per_launch
+    assert set(gemm.mlp_candidates(*large)) == set(gemm._MLP_VARIANTS) and len(per_launch) < len(gemm._MLP_VARIANTS)
+
+
 def test_auto_measures_the_mlp_only_outside_a_capture(fake_mlp, tmp_path):
     """An MLP shape auto meets first inside a graph capture runs its separate launches there, unmeasured and
     uncached; the next eager call measures it and takes its choice."""
