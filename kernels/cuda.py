@@ -2096,10 +2096,10 @@ def gemv_mlp_add_rmsnorm(
     projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
     split as soon as its part of the activation is stored. The same bits as those two ops with those variants;
     where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops (gate|up with the
-    variant's unsplit form, registry.gemv_unsplit, whatever the rows). A resident
-    variant ("res{C}.wW.s1", gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making
-    its share of the activation, then (after a counter says every block is done) its down tiles from the activation
-    staged in its shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
+    variant's unsplit form, registry.gemv_unsplit, whatever the rows). A resident variant ("res{C}.wW.s1",
+    gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making its share of the
+    activation, then (after a counter says every block is done) its down tiles from the activation staged in its
+    shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)

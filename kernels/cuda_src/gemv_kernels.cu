@@ -673,7 +673,8 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 //     and gv_add_norm's add + norm (the _an form's code and counters cnt, no split).
 // The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). The launch's last
 // tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
-// while every block is resident (the grid is sized so), so the wait always ends. Needs vec_ok, I a multiple of the
+// while every block is resident (the grid is sized so), so the wait always ends (no
+// other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
 // warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
 #define GV_RMLP_LOADS 8  // 16-byte W loads in flight per lane (fewer, fatter blocks than the per-launch forms')
 template <int C>
