@@ -374,7 +374,11 @@ def main() -> int:
         smem = kmax * 2  # x in bf16 (24 KiB at most here: under the 48 KiB a block has without opting in)
         for name, rk, threads, bps in kernels:
             fn = rk.kernel
-            if bps > kc.occupancy(fn, threads, smem):
+            fits = kc.occupancy(fn, threads, smem)
+            if bps > fits:
+                print(
+                    f"persistent {name}: skipped, {bps} blocks an SM asked, the driver says {fits} fit (0: it cannot say)"
+                )
                 continue
             for mode, what in modes.items():
                 chain.err.zero_()

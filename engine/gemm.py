@@ -402,7 +402,8 @@ class GemvProducts:
         """The cached or measured one-launch MLP choice for the (gate|up, down) pairs of one down shape."""
         gu, down = pairs[0]
         n, k = down.shape
-        label = f"{_MLP_LABEL} {gu.shape[0]}x{gu.shape[1]} margin {_MLP_MARGIN}/{_RESIDENT_MLP_MARGIN}"
+        margins = f"margin {_MLP_MARGIN}/{_RESIDENT_MLP_MARGIN} resident from {_RESIDENT_MIN_BYTES >> 20} MiB"
+        label = f"{_MLP_LABEL} {gu.shape[0]}x{gu.shape[1]} {margins}"
         return self._cached_or_measured(
             cache_key(self.gpu, self.dtype, n, k, label, self.version),
             (n, k, -1),

@@ -75,7 +75,7 @@ def parse_gemv_variant(name: object) -> tuple[str, int, int] | None:
 
 def gemv_twin(variant: str) -> str:
     """The CUDA-core variant whose launches a resident MLP variant gives the bits of ("res2.w8.s1" -> "simt2.w8.s1");
-    any other variant itself."""
+    any other variant itself (a variant name: parse_gemv_variant must take it)."""
     family, warps, splits = parse_gemv_variant(variant)
     return f"simt{family[3]}.w{warps}.s{splits}" if family.startswith("res") else variant
 

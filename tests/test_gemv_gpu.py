@@ -610,7 +610,11 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
     try:
         for variant in ("simt2.w8.s2", "simt1.w4.s4", "simt2.w4.s1", "res2.w8.s1", "res1.w4.s1"):
             x_in, r_in = rows(1, k, dtype, seed=1), rows(1, k, dtype, seed=2)
-            chain(x_in, r_in, variant)  # eager first: the counters are made outside the capture
+            # eager first: the counters are made outside the capture; each call is the one-launch kernel (or the
+            # counters checked below could be ones no launch ever touched)
+            family = kc.registry.parse_gemv_variant(variant)[0]
+            kernel = f"gemv_simt_m1_c{family[-1]}_{'rmlp' if family.startswith('res') else 'mlp'}"
+            assert _launched(kc, lambda a=x_in, b=r_in, v=variant: chain(a, b, v))[1] == [kernel] * 4, variant
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
