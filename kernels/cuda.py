@@ -200,19 +200,21 @@ def set_pdl(on: bool) -> bool:
     return _PDL
 
 
-def _call(fn, dev: int, grid, block, args: tuple, shared_mem: int, stream) -> None:
-    """Launch a loaded kernel on `stream`: with PDL while a plan is captured (when on), else through CuPy."""
+def _call(fn, dev: int, grid, block, args: tuple, shared_mem: int, stream, cooperative: bool = False) -> None:
+    """Launch a loaded kernel on `stream`: with PDL while a plan is captured (when on), else through CuPy;
+    `cooperative` (a kernel whose blocks wait for one another: all must be resident at once) through the driver's
+    cooperative launch, which fails rather than leave blocks unscheduled."""
     with_pdl = _PDL and torch.cuda.is_current_stream_capturing()
     if _cp.cuda.runtime.getDevice() != dev:
         with _cp.cuda.Device(dev):
-            _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+            _call_here(fn, grid, block, args, shared_mem, stream, with_pdl, cooperative)
     else:
-        _call_here(fn, grid, block, args, shared_mem, stream, with_pdl)
+        _call_here(fn, grid, block, args, shared_mem, stream, with_pdl, cooperative)
 
 
-def _call_here(fn, grid, block, args: tuple, shared_mem: int, stream, with_pdl: bool) -> None:
-    if with_pdl:
-        pdl.launch(fn.ptr, grid, block, args, shared_mem, stream.ptr)
+def _call_here(fn, grid, block, args: tuple, shared_mem: int, stream, with_pdl: bool, cooperative: bool) -> None:
+    if with_pdl or cooperative:
+        pdl.launch(fn.ptr, grid, block, args, shared_mem, stream.ptr, with_pdl, cooperative)
     else:
         fn(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
 
@@ -2135,9 +2137,8 @@ def gemv_mlp_add_rmsnorm(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
     )  # fmt: skip
-    _launch_gemv(
-        f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}", x.dtype, x.device, grid, (warps * 32,), args, smem
-    )
+    name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
+    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=resident and pdl.available())
     return y, s
 
 
@@ -2198,10 +2199,12 @@ def _gemv_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> tuple
     return f"gemv_simt_m{_gemv_bucket_rows(m)}_c{c}", (-(-n // (warps * c)), splits), (warps * 32,), 0, kchunk, splits
 
 
-def _launch_gemv(name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0) -> None:
+def _launch_gemv(
+    name: str, dtype: torch.dtype, device: torch.device, grid, block, args, shared_mem: int = 0, cooperative=False
+) -> None:
     args = la.pack(name, args)
     dev = _dev_index(device)
-    _call(_gemv_function(dev, _KIND[dtype], name), dev, grid, block, args, shared_mem, _stream(device))
+    _call(_gemv_function(dev, _KIND[dtype], name), dev, grid, block, args, shared_mem, _stream(device), cooperative)
 
 
 # ---- warm-up ------------------------------------------------------------------------------------------

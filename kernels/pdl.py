@@ -11,7 +11,8 @@ scheduled, never what they compute. A kernel launched without the attribute pass
 CuPy launches through `cuLaunchKernel`, which takes no attributes; this module calls the driver's
 `cuLaunchKernelEx` through ctypes with the loaded kernel's CUfunction. It is used while a plan (CUDA graph) is
 being captured, where the attribute becomes a programmatic edge of the graph and the ctypes cost is paid once;
-eager launches keep CuPy's faster path. The engine turns it on for every model on an sm_90+ GPU
+eager launches keep CuPy's faster path, but a cooperative one (the resident MLP, whose blocks wait for one another:
+`launch_config`). The engine turns it on for every model on an sm_90+ GPU
 (engine/model.py PDL_DEFAULT; the model option "pdl" turns it off); `kernels.cuda.set_pdl` is the switch
 (bench/gpu_bench.py's section `pdl` measures both in one run). Needs no GPU to import.
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -107,17 +109,40 @@ def kernel_params(args: Sequence) -> tuple[ctypes.Array, list]:
     return params, values
 
 
-def launch(function_ptr: int, grid, block, args: Sequence, shared_mem: int, stream_ptr: int) -> None:
-    """Launch a loaded kernel (its CUfunction) with programmatic stream serialization on `stream_ptr`."""
+def launch_config(
+    grid, block, shared_mem: int, stream_ptr: int, programmatic: bool = True, cooperative: bool = False
+) -> tuple[LaunchConfig, ctypes.Array]:
+    """The CUlaunchConfig of a launch and its attributes array (keep it alive until the launch returns): programmatic
+    stream serialization (PDL) and/or a cooperative launch (every block resident at once, or the launch fails with
+    CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE instead of some blocks waiting for ever on ones never scheduled)."""
+    grid = (*tuple(grid), 1, 1)[:3]
+    block = (*tuple(block), 1, 1)[:3]
+    ids = [i for i, on in ((CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, programmatic),
+                           (CU_LAUNCH_ATTRIBUTE_COOPERATIVE, cooperative)) if on]  # fmt: skip
+    attrs = (LaunchAttribute * max(1, len(ids)))()
+    for attr, i in zip(attrs, ids):
+        attr.id = i
+        ctypes.memmove(ctypes.addressof(attr) + LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
+    first = ctypes.cast(attrs, ctypes.POINTER(LaunchAttribute))
+    return LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), first, len(ids)), attrs
+
+
+def launch(
+    function_ptr: int,
+    grid,
+    block,
+    args: Sequence,
+    shared_mem: int,
+    stream_ptr: int,
+    programmatic: bool = True,
+    cooperative: bool = False,
+) -> None:
+    """Launch a loaded kernel (its CUfunction) on `stream_ptr` through cuLaunchKernelEx: with programmatic stream
+    serialization, and/or cooperatively (launch_config)."""
     fn = _launch_kernel_ex()
     if fn is None:
         raise RuntimeError("cuLaunchKernelEx is not available in this CUDA driver")
-    grid = (*tuple(grid), 1, 1)[:3]
-    block = (*tuple(block), 1, 1)[:3]
-    attr = LaunchAttribute()
-    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    ctypes.memmove(ctypes.addressof(attr) + LaunchAttribute.value.offset, ctypes.byref(ctypes.c_int(1)), 4)
-    config = LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), ctypes.pointer(attr), 1)
+    config, _attrs = launch_config(grid, block, shared_mem, stream_ptr, programmatic, cooperative)
     params, _keep = kernel_params(args)
     err = fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), params, None)
     if err != 0:

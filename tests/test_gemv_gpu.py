@@ -589,6 +589,43 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
 
 
 @pytest.mark.parametrize("pdl", [False, True])
+def test_the_resident_mlp_is_a_cooperative_launch_eager_and_captured(kc, pdl, monkeypatch):
+    """A resident MLP's blocks wait for one another, so it is launched cooperatively (the driver then refuses a grid
+    whose blocks cannot all be resident, instead of leaving some unscheduled while the rest wait): eagerly and inside a
+    capture, with and without PDL; the per-launch one-launch form is not. The captured launch gives the eager bits."""
+    import kernels.pdl as pdl_mod
+
+    if not pdl_mod.available():
+        pytest.skip("cuLaunchKernelEx is not in this driver")
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+    launches, real = [], pdl_mod.launch
+    monkeypatch.setattr(pdl_mod, "launch", lambda *a, **k: (launches.append((a[6:], k)), real(*a, **k))[1])
+    i, k, dtype = 3072, 1024, torch.bfloat16
+    gu, down = weight(2 * i, k, dtype), weight(k, i, dtype)
+    nw = torch.randn(k, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(5)) * 0.1
+    x, r = rows(1, k, dtype, seed=11), rows(1, k, dtype, seed=12)
+    try:
+        want = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1")
+        assert launches == [((False, True), {})]  # eager: cooperative, no PDL
+        kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "simt2.w8.s2")
+        assert len(launches) == 1  # the per-launch form keeps CuPy's launch eagerly
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                got = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1")
+        torch.cuda.current_stream().wait_stream(stream)
+        assert launches[1:] == [((pdl, True), {})]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        kc.set_pdl(False)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
 def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
     """Launches of the one-launch MLP on the same weights follow one another (the MTP head's MLP, draft step after
     draft step), each taking its blocks' tickets from the same counter, with PDL letting the next one start before

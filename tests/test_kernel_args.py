@@ -164,6 +164,28 @@ def test_the_pdl_launch_structures_have_the_driver_layout():
         pdl.kernel_params((1.5,))
 
 
+def test_a_launch_config_carries_the_attributes_asked_for():
+    """pdl.launch_config: PDL alone (a captured plan's launches), cooperative alone (a resident kernel launched
+    eagerly), both (a resident kernel in a plan with PDL), or neither; each attribute's value 1, the grid and block
+    padded to three dimensions."""
+    import ctypes
+
+    from kernels import pdl
+
+    for programmatic, cooperative in ((True, False), (False, True), (True, True), (False, False)):
+        cfg, attrs = pdl.launch_config((264,), (256,), 24576, 0x1234, programmatic, cooperative)
+        want = [pdl.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] * programmatic
+        want += [pdl.CU_LAUNCH_ATTRIBUTE_COOPERATIVE] * cooperative
+        assert cfg.numAttrs == len(want)
+        assert [cfg.attrs[i].id for i in range(cfg.numAttrs)] == want
+        for i in range(cfg.numAttrs):
+            value = ctypes.c_int.from_address(ctypes.addressof(cfg.attrs[i]) + pdl.LaunchAttribute.value.offset).value
+            assert value == 1
+        assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimZ) == (264, 1, 1, 256, 1)
+        assert cfg.sharedMemBytes == 24576 and cfg.hStream == 0x1234
+        assert ctypes.addressof(cfg.attrs.contents) == ctypes.addressof(attrs)  # the array the caller keeps alive
+
+
 def test_the_pdl_model_option_is_off_on_the_cpu_and_takes_only_a_bool(tiny_engine):
     tiny_engine.set_model_option("pdl", True)
     assert tiny_engine.model.pdl is False  # nothing to launch with it on the CPU: plans keep their key
