@@ -2081,7 +2081,18 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         and (n == 1 or w_down.stride(0) * es % 16 == 0)
         and i % warps == 0
         and n % (warps * c) == 0
+        and (not resident or _rmlp_grid(x, c, warps, i) > 0)  # the driver says its blocks fit at once
     )
+
+
+def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
+    """Blocks of the resident MLP's launch for an activation of i elements of x's dtype (staged in shared memory): 0
+    where the gemv module is not loaded or the driver says none fits."""
+    if not gemv_kernels(x.device, x.dtype)[0]:
+        return 0
+    dev = _dev_index(x.device)
+    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
+    return _resident_grid(fn, dev, warps * 32, i * x.element_size())
 
 
 def gemv_mlp_add_rmsnorm(
@@ -2117,9 +2128,7 @@ def gemv_mlp_add_rmsnorm(
     smem = 0
     if resident and fits:
         smem = i * x.element_size()
-        fn = _gemv_function(_dev_index(x.device), _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
-        grid = (_resident_grid(fn, _dev_index(x.device), warps * 32, smem),)
-        fits = grid[0] > 0
+        grid = (_rmlp_grid(x, c, warps, i),)  # > 0: gemv_mlp_fits asked
     cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
     mkey = ("gemv_rmlp" if resident else "gemv_mlp", w_down.data_ptr(), variant)
     mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
