@@ -436,9 +436,9 @@ class GemvProducts:
             if candidate != "cublas":
                 if not ops.gemv_mlp_fits(x, gu, down, candidate):
                     continue
-                twin = ops.gemv_twin(candidate)  # the launches whose bits it gives
-                act = ops.gemv_silu_mul(x, gu, ops.gemv_unsplit(twin))
-                want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, twin)
+                gu_variant, down_variant = ops.gemv_mlp_launches(candidate)  # the launches whose bits it gives
+                act = ops.gemv_silu_mul(x, gu, gu_variant)
+                want = ops.gemv_add_rmsnorm(act, down, r, nw, eps, down_variant)
                 got = form(candidate, pairs[0])
                 if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
                     warnings.warn(

@@ -2109,7 +2109,7 @@ def gemv_mlp_add_rmsnorm(
     projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
     split as soon as its part of the activation is stored. The same bits as those two ops with those variants;
     where it does not fit (gemv_mlp_fits), or before one eager call (the counters), those two ops (gate|up with the
-    variant's unsplit form, registry.gemv_unsplit, whatever the rows). A resident variant ("res{C}.wW.s1",
+    variant's unsplit form, registry.gemv_mlp_launches, whatever the rows). A resident variant ("res{C}.wW.s1",
     gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making its share of the
     activation, then (after a counter says every block is done) its down tiles from the activation staged in its
     shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
@@ -2134,9 +2134,8 @@ def gemv_mlp_add_rmsnorm(
     mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
     if mcnt is None:
         named = registry.parse_gemv_variant(variant) is not None
-        twin = registry.gemv_twin(variant) if named else variant  # a resident variant: the launches of its bits
-        gu = registry.gemv_unsplit(twin) if named else None
-        return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, twin)
+        gu, down = registry.gemv_mlp_launches(variant) if named else (None, variant)
+        return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, down)
     act = torch.empty((1, i), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -185,8 +185,7 @@ def gemv_version() -> str:
 
 GEMV_MAX_ROWS = registry.GEMV_MAX_ROWS
 parse_gemv_variant = registry.parse_gemv_variant
-gemv_unsplit = registry.gemv_unsplit
-gemv_twin = registry.gemv_twin
+gemv_mlp_launches = registry.gemv_mlp_launches
 
 
 def fallbacks() -> dict[str, int]:

@@ -87,6 +87,13 @@ def gemv_unsplit(variant: str) -> str:
     return f"{family}.w{warps}.s1"
 
 
+def gemv_mlp_launches(variant: str) -> tuple[str, str]:
+    """(gate|up variant, down variant) of the separate launches whose bits the one-launch MLP with `variant` gives:
+    gemv_silu_mul with the twin's unsplit form, then gemv_add_rmsnorm with the twin (gemv_twin)."""
+    twin = gemv_twin(variant)
+    return gemv_unsplit(twin), twin
+
+
 # Ops that are the reference on every device, by design (not fallbacks).
 REFERENCE_ONLY = frozenset({"chunk_gated_delta_rule"})
 

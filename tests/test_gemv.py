@@ -97,3 +97,5 @@ def test_a_resident_mlp_variant_names_the_launches_whose_bits_it_gives():
     assert registry.gemv_twin("res1.w4.s1") == "simt1.w4.s1"
     assert registry.gemv_twin("tc1.w8.s2") == "tc1.w8.s2"
     assert registry.gemv_unsplit(registry.gemv_twin("res2.w4.s1")) == "simt2.w4.s1"
+    assert registry.gemv_mlp_launches("res2.w4.s1") == ("simt2.w4.s1", "simt2.w4.s1")
+    assert registry.gemv_mlp_launches("simt1.w8.s4") == ("simt1.w8.s1", "simt1.w8.s4")
