@@ -146,4 +146,20 @@ def launch(
     params, _keep = kernel_params(args)
     err = fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), params, None)
     if err != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+        raise RuntimeError(launch_error(err, grid, cooperative))
+
+
+CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
+
+
+def launch_error(err: int, grid, cooperative: bool) -> str:
+    """What a failed cuLaunchKernelEx says: the one failure a user can meet and act on (a cooperative grid the GPU
+    cannot hold at once, e.g. while another process shares it) named, with what to do; any other by its CUresult."""
+    if cooperative and err == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE:
+        blocks = int(np.prod([int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]))
+        return (
+            f"a resident launch of {blocks} blocks cannot have them all on the GPU at once "
+            f"(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE); another process sharing this GPU (MPS with a thread limit) "
+            f"can cause it: decode with --gemm cublas, which makes no resident launch"
+        )
+    return f"cuLaunchKernelEx failed with CUresult {err}"

@@ -186,6 +186,18 @@ def test_a_launch_config_carries_the_attributes_asked_for():
         assert ctypes.addressof(cfg.attrs.contents) == ctypes.addressof(attrs)  # the array the caller keeps alive
 
 
+def test_a_refused_resident_launch_says_why_and_what_to_do():
+    """pdl.launch_error: the driver's refusal of a cooperative grid (the resident MLP on a GPU another process
+    shares) names the block count, the error and the --gemm choice that avoids it; the same code from a plain
+    launch, and any other code, stay the bare CUresult."""
+    from kernels import pdl
+
+    msg = pdl.launch_error(pdl.CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE, (264,), True)
+    assert "264 blocks" in msg and "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE" in msg and "--gemm cublas" in msg
+    assert pdl.launch_error(720, (264,), False) == "cuLaunchKernelEx failed with CUresult 720"
+    assert pdl.launch_error(1, (264,), True) == "cuLaunchKernelEx failed with CUresult 1"
+
+
 def test_the_pdl_model_option_is_off_on_the_cpu_and_takes_only_a_bool(tiny_engine):
     tiny_engine.set_model_option("pdl", True)
     assert tiny_engine.model.pdl is False  # nothing to launch with it on the CPU: plans keep their key
