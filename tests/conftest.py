@@ -90,6 +90,30 @@ def pytest_sessionfinish(session, exitstatus):
 
 from tiny_models import write_tiny_model  # noqa: E402
 
+
+def _keep_transformers_off_specdeck_kernels() -> None:
+    """transformers 5.25 and later require Hugging Face's `kernels` package and, finding it installed, import its API
+    under the name `kernels`, which in this checkout is SpecDeck's own package (first on the path): every model of
+    the oracle then fails to import (`cannot import name 'CUDAProperties' from 'kernels'`). The oracle uses none of
+    the hub's kernels (nor may a test fetch one), so transformers is told they are off (USE_HUB_KERNELS, which 5.25
+    reads at from_pretrained) and not there (is_kernels_available, read when its modules load), before anything
+    imports a model."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    import transformers.utils as utils
+    from transformers.utils import import_utils
+
+    def unavailable(*_args, **_kwargs) -> bool:
+        return False
+
+    for module in (import_utils, utils):
+        if hasattr(module, "is_kernels_available"):
+            module.is_kernels_available = unavailable
+
+
+_keep_transformers_off_specdeck_kernels()
+
 try:  # the tests' models are tiny: one thread is as fast, and immune to oversubscribed cores
     import torch
 
