@@ -105,6 +105,11 @@ def main() -> int:
         action="store_true",
         help="9B-like target-only as is against the add + norm epilogues left out (a bound, not a model)",
     )
+    ap.add_argument(
+        "--boundary-ab",
+        action="store_true",
+        help="9B-like target-only with a pipelined round's advance and copy to the host in its plan and outside it",
+    )
     ap.add_argument("--fold-min-keys", default=None, help="comma list of _ATT_FOLD_MIN_KEYS values to compare")
     ap.add_argument(
         "--exact",
@@ -151,6 +156,8 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         mlp_ab(eng, a)
     if a.fold_min_keys:
         fold_min_keys_ab(eng, a, target)
+    if a.boundary_ab:
+        boundary_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -250,6 +257,35 @@ def mlp_ab(eng: Engine, a: argparse.Namespace, what: str = "9B-like") -> None:
     g.mlp_choices = auto
 
 
+def boundary_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, what: str = "9B-like") -> None:
+    """Target-only decode with a pipelined round's advance (its input token and position from the round before)
+    and the copy of its results to the host captured in its verify plan (engine/spec.py ADVANCE_IN_PLAN,
+    COPY_IN_PLAN), the advance alone in it, and both as separate launches between the plans, interleaved, one
+    process (the same gemm choices); each run's tokens against an unpipelined run's."""
+    from engine import spec
+
+    eng.pipeline_rounds = False
+    _, want = median_tps(eng, target, a.n, 1)
+    eng.pipeline_rounds = None
+    _, again = median_tps(eng, target, a.n, 1)
+    print(f"{what} boundary A/B: pipelined tokens == unpipelined: {again == want}")
+    cells = {
+        "advance + copy in the plan": (True, True),
+        "advance in the plan": (True, False),
+        "outside": (False, False),
+    }
+    for _ in range(3):
+        for tag, (adv, cp) in cells.items():
+            spec.ADVANCE_IN_PLAN, spec.COPY_IN_PLAN = adv, cp
+            tps, tokens = median_tps(eng, target, a.n, a.reps)
+            first = next((i for i, (x, y) in enumerate(zip(tokens, want)) if x != y), None)
+            print(
+                f"{what} target-only [{tag}]: {tps:.1f} t/s; tokens == unpipelined: {tokens == want}"
+                + ("" if first is None else f" (first difference at token {first})")
+            )
+    spec.ADVANCE_IN_PLAN = spec.COPY_IN_PLAN = True
+
+
 def norm_bound(eng: Engine, a: argparse.Namespace) -> None:
     """What the 64 fused add + norm epilogues of a 9B-like token cost at most: target-only as the model runs
     against the projections before them made alone (their output taken as the next layer's input, the residual
@@ -333,6 +369,8 @@ def bundled(a: argparse.Namespace) -> None:
             tps, drafted = median_tps(tiny, spec, a.n, a.reps)
             print(f"bundled spec depth 5 chain{tag}: {tps:.1f} t/s (tokens as target-only: {drafted == plain})")
             print(f"bundled launches per token, target-only{tag}: {launches_per_token(tiny, target):.1f}")
+    if a.boundary_ab:
+        boundary_ab(tiny, a, target, "bundled")
     if a.mlp_ab:
         with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
             tiny.model.set_gemm("auto", cache_dir=cache)

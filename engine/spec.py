@@ -461,6 +461,12 @@ def _same_but_depth(a: EngineSettings, b: EngineSettings) -> bool:
     return a is b or all(getattr(a, f) == getattr(b, f) for f in _BUT_DEPTH)
 
 
+# A target-only round queued behind another runs its _advance (and with COPY_IN_PLAN its copy to the host) inside its
+# verify plan (launch_round); False: as separate launches between the plans (bench/decode_ab.py --boundary-ab).
+ADVANCE_IN_PLAN = True
+COPY_IN_PLAN = True
+
+
 def _advance(state: SessionState) -> None:
     """The staged inputs of a target-only round from the one queued before it, on the device: what _stage would
     write once that round is read (target length + 1, the pending MTP row index + 1, its emitted token as the
@@ -547,13 +553,17 @@ def launch_round(
         if use_mtp:  # catch-up tokens go after the verify-id slots (drafts are written there on the device)
             staged += [0] * (state.ids_buf.shape[0] - 1) + state.tokens[first + 1 : n]
         _stage(state, staged)
-    elif chain_behind:
-        if first != behind.n - 1:
-            raise RuntimeError(
-                f"launch_round: the MTP head is at row {first}, not where behind starts ({behind.n - 1})"
-            )
+    elif chain_behind and first != behind.n - 1:
+        raise RuntimeError(f"launch_round: the MTP head is at row {first}, not where behind starts ({behind.n - 1})")
+    # A target-only round queued behind another runs its _advance and the copy of its results to the host inside its
+    # verify plan (one plan per host buffer), so that the device goes from one plan to the next without two small
+    # launches and two copies between them (the bundled model's target-only decode on the H200: 2.9-3.9k -> 4.3-4.8k
+    # t/s; bench/results/h200-boundary-2026-12-04.txt). A chained-draft round behind another still runs its
+    # _advance_chain here, before its draft plan.
+    in_plan = ADVANCE_IN_PLAN and behind is not None and not chain_behind
+    if chain_behind:
         _advance_chain(state, behind.width)
-    else:
+    elif behind is not None and not in_plan:
         _advance(state)
 
     n_drafts = depth
@@ -625,28 +635,35 @@ def launch_round(
     # Synthetic acceptance only where there are drafts to accept: a round without any is the plain target
     # step of a real run (the same plan), which emits the model's own token either way.
     synthetic = settings.synthetic and n_drafts > 0
-    if synthetic:
-        _stage_synthetic(state, settings)
-        plans.run(
-            ("verify", width, p_min, *model.plan_tag, "synthetic"),
-            pool,
-            lambda: _verify(model, state, width, p_min, synthetic=True),
-        )
-    elif sp is not None:
-        plans.run(
-            ("verify", width, p_min, *model.plan_tag, vq, sp.plan_key),
-            pool,
-            lambda: _verify_sampled(model, state, bufs, width, vq, p_min, sp),
-        )
-    else:
-        plans.run(("verify", width, p_min, *model.plan_tag), pool, lambda: _verify(model, state, width, p_min))
-    t_launched = time.perf_counter()
-    clock.mark()
-    # an asynchronous copy into pinned memory (as the staging copies): queued, not waited for; a round queued
-    # behind one not read yet copies into the other buffer
+    # the results go to pinned memory by an asynchronous copy (as the staging copies): queued, not waited for; a
+    # round queued behind one not read yet copies into the other buffer
     slot = 1 - behind.out_slot if behind is not None else 0
     out_host = state.out_hosts[slot][: width + 2]
-    out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
+
+    def copy_out() -> None:
+        out_host.copy_(state.out_buf[: width + 2], non_blocking=model.device.type == "cuda")
+
+    if synthetic:
+        _stage_synthetic(state, settings)
+        key = ("verify", width, p_min, *model.plan_tag, "synthetic")
+        verify = lambda: _verify(model, state, width, p_min, synthetic=True)  # noqa: E731
+    elif sp is not None:
+        key = ("verify", width, p_min, *model.plan_tag, vq, sp.plan_key)
+        verify = lambda: _verify_sampled(model, state, bufs, width, vq, p_min, sp)  # noqa: E731
+    else:
+        key = ("verify", width, p_min, *model.plan_tag)
+        verify = lambda: _verify(model, state, width, p_min)  # noqa: E731
+    copied = in_plan and COPY_IN_PLAN
+    if copied:
+        plans.run((*key, "behind", slot), pool, lambda: (_advance(state), verify(), copy_out()))
+    elif in_plan:
+        plans.run((*key, "behind"), pool, lambda: (_advance(state), verify()))
+    else:
+        plans.run(key, pool, verify)
+    t_launched = time.perf_counter()
+    clock.mark()
+    if not copied:
+        copy_out()
     clock.mark()  # recorded after the copy: finish_round waits for this event, so every span is complete
     return LaunchedRound(
         settings=settings,

@@ -277,6 +277,35 @@ def test_overlapped_rounds_are_lossless_on_every_workload(cuda_engines, force_de
         eng.pipeline_rounds = None
 
 
+def test_a_pipelined_target_only_round_advances_and_copies_inside_its_plan(cuda_engines):
+    """A target-only round queued behind another takes its input token and position, and copies its results to the
+    host, inside its own captured plan (one per host buffer), so the device goes from plan to plan; the tokens are
+    those of unpipelined rounds, and those of the same work launched outside the plans (spec.ADVANCE_IN_PLAN off)."""
+    from engine import spec
+
+    eng = cuda_engines["tiny"]
+    settings = EngineSettings(speculative=False, plan_pool=8)
+    prompt = load_workloads()["code_gen"].prompt
+    try:
+        eng.pipeline_rounds = False
+        want = eng.generate(prompt, 24, settings, eng.new_session()).tokens
+        eng.pipeline_rounds = None
+        sess = eng.new_session()
+        eng.generate(prompt, 24, settings, sess)  # plans captured
+        sess.reset()
+        got = eng.generate(prompt, 24, settings, sess)
+        assert got.tokens == want and got.stats["pipelined_rounds"] >= 20
+        behind = sorted(k[-1] for k in sess.plans.graphs if k[0] == "verify" and k[-2] == "behind")
+        assert behind == [0, 1], list(sess.plans.graphs)
+        assert got.stats["plan_misses"] == 0  # every round replayed a plan
+        spec.ADVANCE_IN_PLAN = False
+        outside = eng.generate(prompt, 24, settings, eng.new_session())
+        assert outside.tokens == want and outside.stats["pipelined_rounds"] >= 20
+    finally:
+        spec.ADVANCE_IN_PLAN = True
+        eng.pipeline_rounds = None
+
+
 def test_a_target_only_token_spends_no_launch_on_bookkeeping(cuda_engines):
     """Outside the layers and the LM head, a target-only token is three launches: the embedding gather with the
     first norm, the hidden row saved at the device-side start, and the argmax with the acceptance (its parts
@@ -312,4 +341,7 @@ def test_a_target_only_token_spends_no_launch_on_bookkeeping(cuda_engines):
     assert count("store_rows") == 1 and count("greedy_accept") == 0 and count("argmax_partial") == 0
     assert count("argmax_combine") == 0 and count("rmsnorm_w") == 0  # the first norm is in embed_rmsnorm
     assert not [name for name in per_token if "index" in name.lower() and per_token[name]]
-    assert not [name for name in per_token if "memcpy" in name.lower() and per_token[name]]
+    # a pipelined round's input token is copied from the round before inside its plan, where the driver runs the
+    # device-to-device copy as its own small kernel (memcpy32_post): that one, and no other copy kernel
+    copies = {name: v for name, v in per_token.items() if "memcpy" in name.lower() and v}
+    assert set(copies) <= {"memcpy32_post"} and sum(copies.values()) <= 1, copies
