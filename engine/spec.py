@@ -465,6 +465,7 @@ def _same_but_depth(a: EngineSettings, b: EngineSettings) -> bool:
 # verify plan (launch_round); False: as separate launches between the plans (bench/decode_ab.py --boundary-ab).
 ADVANCE_IN_PLAN = True
 COPY_IN_PLAN = True
+BEHIND_MIN_POOL = 3  # the plans a pipelined target-only run keeps: the first round's and one behind per host buffer
 
 
 def _advance(state: SessionState) -> None:
@@ -559,8 +560,9 @@ def launch_round(
     # verify plan (one plan per host buffer), so that the device goes from one plan to the next without two small
     # launches and two copies between them (the bundled model's target-only decode on the H200: 2.9-3.9k -> 4.3-4.8k
     # t/s; bench/results/h200-boundary-2026-12-04.txt). A chained-draft round behind another still runs its
-    # _advance_chain here, before its draft plan.
-    in_plan = ADVANCE_IN_PLAN and behind is not None and not chain_behind
+    # _advance_chain here, before its draft plan. A pool of fewer than the three plans of a pipelined target-only run
+    # (the first round's and the two behind) would capture them again and again: there the advance is launched here.
+    in_plan = ADVANCE_IN_PLAN and behind is not None and not chain_behind and settings.plan_pool >= BEHIND_MIN_POOL
     if chain_behind:
         _advance_chain(state, behind.width)
     elif behind is not None and not in_plan:

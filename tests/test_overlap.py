@@ -163,6 +163,30 @@ def test_target_only_rounds_are_pipelined_and_give_greedy_tokens(bundled, code):
     assert sess.tokens == code + want
 
 
+def test_a_pipelined_round_advances_inside_its_plan_where_the_pool_holds_the_plans(bundled, code):
+    """The plans a pipelined target-only run asks for: its first round's verify plan, then one "behind" plan per host
+    buffer (the input's advance and the copy of the results inside it); a pool of fewer than three plans keeps the
+    one verify plan, the advance launched outside it, so that no plan is captured again every round. Greedy tokens
+    either way."""
+    want = _plain(bundled, code, 12).tokens
+    for pool, behind in ((8, True), (2, False)):
+        sess = bundled.new_session()
+        keys = []
+        run = sess.plans.run
+
+        def record(key, capacity, work, run=run, keys=keys):
+            keys.append(key)
+            return run(key, capacity, work)
+
+        sess.plans.run = record
+        out = bundled.generate(code, 12, EngineSettings(speculative=False, plan_pool=pool), sess)
+        assert out.tokens == want and out.stats["pipelined_rounds"] == 11
+        verify = [k for k in keys if k[0] == "verify"]
+        assert len(verify) == 12 and "behind" not in verify[0]
+        tails = {k[-2:] for k in verify[1:]}
+        assert tails == ({("behind", 0), ("behind", 1)} if behind else {verify[0][-2:]}), (pool, tails)
+
+
 def test_without_overlap_no_round_is_pipelined(bundled, code):
     assert _plain(bundled, code, 12).stats["pipelined_rounds"] == 0
 
