@@ -259,9 +259,9 @@ def mlp_ab(eng: Engine, a: argparse.Namespace, what: str = "9B-like") -> None:
 
 def boundary_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, what: str = "9B-like") -> None:
     """Target-only decode with a pipelined round's advance (its input token and position from the round before)
-    and the copy of its results to the host captured in its verify plan (engine/spec.py ADVANCE_IN_PLAN,
-    COPY_IN_PLAN), the advance alone in it, and both as separate launches between the plans, interleaved, one
-    process (the same gemm choices); each run's tokens against an unpipelined run's."""
+    and the copy of its results to the host captured in its verify plan (engine/spec.py ADVANCE_IN_PLAN) and as
+    separate launches between the plans, interleaved, one process (the same gemm choices); each run's tokens against
+    an unpipelined run's."""
     from engine import spec
 
     eng.pipeline_rounds = False
@@ -269,21 +269,19 @@ def boundary_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, what
     eng.pipeline_rounds = None
     _, again = median_tps(eng, target, a.n, 1)
     print(f"{what} boundary A/B: pipelined tokens == unpipelined: {again == want}")
-    cells = {
-        "advance + copy in the plan": (True, True),
-        "advance in the plan": (True, False),
-        "outside": (False, False),
-    }
-    for _ in range(3):
-        for tag, (adv, cp) in cells.items():
-            spec.ADVANCE_IN_PLAN, spec.COPY_IN_PLAN = adv, cp
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = next((i for i, (x, y) in enumerate(zip(tokens, want)) if x != y), None)
-            print(
-                f"{what} target-only [{tag}]: {tps:.1f} t/s; tokens == unpipelined: {tokens == want}"
-                + ("" if first is None else f" (first difference at token {first})")
-            )
-    spec.ADVANCE_IN_PLAN = spec.COPY_IN_PLAN = True
+    try:
+        for _ in range(3):
+            for inside in (True, False):
+                spec.ADVANCE_IN_PLAN = inside
+                tps, tokens = median_tps(eng, target, a.n, a.reps)
+                first = next((i for i, (x, y) in enumerate(zip(tokens, want)) if x != y), None)
+                print(
+                    f"{what} target-only [{'advance + copy in the plan' if inside else 'outside'}]: {tps:.1f} t/s; "
+                    f"tokens == unpipelined: {tokens == want}"
+                    + ("" if first is None else f" (first difference at token {first})")
+                )
+    finally:
+        spec.ADVANCE_IN_PLAN = True
 
 
 def norm_bound(eng: Engine, a: argparse.Namespace) -> None:

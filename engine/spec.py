@@ -461,10 +461,9 @@ def _same_but_depth(a: EngineSettings, b: EngineSettings) -> bool:
     return a is b or all(getattr(a, f) == getattr(b, f) for f in _BUT_DEPTH)
 
 
-# A target-only round queued behind another runs its _advance (and with COPY_IN_PLAN its copy to the host) inside its
-# verify plan (launch_round); False: as separate launches between the plans (bench/decode_ab.py --boundary-ab).
+# A target-only round queued behind another runs its _advance and its copy to the host inside its verify plan
+# (launch_round); False: as separate launches between the plans (bench/decode_ab.py --boundary-ab).
 ADVANCE_IN_PLAN = True
-COPY_IN_PLAN = True
 BEHIND_MIN_POOL = 3  # the plans a pipelined target-only run keeps: the first round's and one behind per host buffer
 
 
@@ -556,13 +555,12 @@ def launch_round(
         _stage(state, staged)
     elif chain_behind and first != behind.n - 1:
         raise RuntimeError(f"launch_round: the MTP head is at row {first}, not where behind starts ({behind.n - 1})")
-    # A target-only round queued behind another runs its _advance and the copy of its results to the host inside its
-    # verify plan (one plan per host buffer), so that the device goes from one plan to the next without two small
-    # launches and two copies between them (the bundled model's target-only decode on the H200: 2.9-3.9k -> 4.3-4.8k
-    # t/s; bench/results/h200-boundary-2026-12-04.txt). A chained-draft round behind another still runs its
-    # _advance_chain here, before its draft plan. A pool of fewer than the three plans of a pipelined target-only run
-    # (the first round's and the two behind) would capture them again and again: there the advance is launched here.
-    in_plan = ADVANCE_IN_PLAN and behind is not None and not chain_behind and settings.plan_pool >= BEHIND_MIN_POOL
+    # A target-only round queued behind another: its advance and its copy to the host go inside its verify plan (one
+    # plan per host buffer), so the device goes from one plan to the next without small launches between them (the
+    # bundled model's target-only decode on the H200: 2.9-3.9k -> 4.3-4.8k t/s; bench/results/h200-boundary-2026-12-04
+    # .txt); with a pool smaller than those three plans they would be captured again every round, so the advance is
+    # launched here, as a chained-draft round's is before its draft plan.
+    in_plan = ADVANCE_IN_PLAN and behind is not None and not chain_behind and pool >= BEHIND_MIN_POOL
     if chain_behind:
         _advance_chain(state, behind.width)
     elif behind is not None and not in_plan:
@@ -655,16 +653,13 @@ def launch_round(
     else:
         key = ("verify", width, p_min, *model.plan_tag)
         verify = lambda: _verify(model, state, width, p_min)  # noqa: E731
-    copied = in_plan and COPY_IN_PLAN
-    if copied:
+    if in_plan:
         plans.run((*key, "behind", slot), pool, lambda: (_advance(state), verify(), copy_out()))
-    elif in_plan:
-        plans.run((*key, "behind"), pool, lambda: (_advance(state), verify()))
     else:
         plans.run(key, pool, verify)
     t_launched = time.perf_counter()
     clock.mark()
-    if not copied:
+    if not in_plan:
         copy_out()
     clock.mark()  # recorded after the copy: finish_round waits for this event, so every span is complete
     return LaunchedRound(
