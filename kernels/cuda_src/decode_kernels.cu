@@ -377,6 +377,17 @@ __device__ __forceinline__ void key_split(const long long* start_ptr, long long 
     e = ll_min(n, b + chunk);
 }
 
+// How many of key_split's S splits of row t hold keys (its first ones; at least 1, so a row without keys still
+// has a split to write it). (64-bit like key_split: in 32 bits ptxas spilled the fold kernel's registers.)
+__device__ __forceinline__ int key_busy(const long long* start_ptr, long long start_val, int t, long long max_ctx,
+                                        int S, long long min_chunk) {
+    const long long start = read_start(start_ptr, start_val);
+    const long long n = ll_max(ll_min(start + t + 1, max_ctx), 0);
+    const long long chunk = ll_max((n + S - 1) / S, min_chunk);
+    const long long nb = (n + chunk - 1) / chunk;
+    return nb < 1 ? 1 : nb > S ? S : (int)nb;
+}
+
 template <int EPL>
 __device__ __forceinline__ void attn_split_impl(const scalar_t* __restrict__ q, long long qs0, long long qs1,
                                                 const scalar_t* __restrict__ kc, const scalar_t* __restrict__ vc,
@@ -606,9 +617,12 @@ __device__ __forceinline__ void butterfly_step(const float (&sc)[2][4], const bo
     for (int h = 0; h < 4; ++h) mx_all[h] = __shfl_sync(full, mx, h << 2);
 }
 
-// FOLD (attn_vecb_u2_g4_f): the combine of the splits inside the same launch. Every block of a (row, kv head)
-// counts itself in at cnt[t * Hkv + kvh] once its partial is stored (an empty split too); the last one (which
-// leaves the counter at zero) merges the S partials of the kv head's G query heads. Warp g finds head g's max,
+// FOLD (attn_vecb_u2_g4_f): the combine of the splits inside the same launch. key_split gives the keys to the
+// first NB splits of a row (NB = key_busy: a short context in a cache sized for a long one leaves most splits
+// empty), and only those take part: each counts itself in at cnt[t * Hkv + kvh] once its partial is stored, and
+// the last (which leaves the counter at zero) merges the NB partials of the kv head's G query heads; an empty
+// split returns at once (no partial, no count: the merge skipped an empty split's zero weight anyway, so the
+// same bits as counting all S). Warp g finds head g's max,
 // its splits that hold keys (in split order, compacted) and their weights, and the weights' total (lane-strided,
 // then a butterfly: a fixed order); then a thread sums 8 consecutive features of one head over those splits in
 // split order, two 16-byte loads a split and four splits' loads in flight, and writes them gated. The sums are
@@ -627,7 +641,7 @@ __device__ __noinline__ void attn_fold_tail(const float* __restrict__ ws_acc, co
     if (threadIdx.x == 0) {
         int old;  // release: this block's partial; acquire: the other splits'
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(cnt + t * Hkv + kvh) : "memory");
-        last = old == S - 1;
+        last = old == S - 1;  // S: the row's busy splits (see above)
         if (last) cnt[t * Hkv + kvh] = 0;
     }
     __syncthreads();
@@ -739,13 +753,17 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     // At least AV_MIN_KEYS keys a split: a short context keeps a few busy splits instead of many one-step ones
     // (each pays its partial's write and the combine's read)
     key_split(start_ptr, start_val, t, max_ctx, S, s, step > min_keys ? step : min_keys, b, e);
+    if (FOLD && b >= e && s > 0) return;  // an empty split, past the busy ones: not in the fold (see there)
     if (b >= e && S > 1) {  // no keys here: a neutral partial; attn_combine never reads a weight-0 accumulator
         for (int x = threadIdx.x; x < G; x += blockDim.x) {
             const long long prow = (long long)s * T * Hq + (long long)t * Hq + kvh * G + x;
             ws_ml[prow * 2] = NEG_INF;
             ws_ml[prow * 2 + 1] = 0.f;
         }
-        if (FOLD) attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, S, T, Hq, Hkv, D, t, kvh, cnt);
+        if (FOLD) {
+            const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, step > min_keys ? step : min_keys);
+            attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, busy, T, Hq, Hkv, D, t, kvh, cnt);
+        }
         return;
     }
     const long long rstride = (long long)Hkv * D;
@@ -922,7 +940,10 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
             }
         }
     }
-    if (FOLD && S > 1) attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, S, T, Hq, Hkv, D, t, kvh, cnt);
+    if (FOLD && S > 1) {  // (the busy splits worked out here, after the key loop: no register held over it)
+        const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, step > min_keys ? step : min_keys);
+        attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, busy, T, Hq, Hkv, D, t, kvh, cnt);
+    }
 }
 
 #define ATTN_VEC(G, U)                                                                                     \
