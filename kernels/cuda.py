@@ -483,7 +483,8 @@ _ATT_MAX_KERNEL_ROWS = 64
 # 29.4/142.9/529.1/2083, vec 34.1/184.2/690.4/2713; 8 blocks a SM slower than 4 for both.
 _ATT_IMPL = "auto"
 # "fold" (default): the "vecb" form merges its split partials in the same launch (the last split of a row and kv
-# head merges them, attn_vecb_u2_g4_f); other forms, and "par": a launch of attn_combine_par after the splits;
+# head merges them, attn_vecb_u2_g4_f; only the splits that hold keys take part, the others return at once, which
+# bench/attention_fold.py times); other forms, and "par": a launch of attn_combine_par after the splits;
 # "serial": one thread of attn_combine merges them (cross-check)
 _ATT_COMBINE = "fold"
 # The least keys a "vecb" split takes in the fold form (a short context: fewer, longer splits; decode_kernels.cu
