@@ -22,6 +22,22 @@ from attention_sweep import per_call_us  # noqa: E402
 from kernels import cuda as kc  # noqa: E402
 from kernels import ops  # noqa: E402
 
+SLOTS, HQ, HKV, D = 32768, 16, 4, 256
+CONTEXTS = (128, 512, 2048, 8192, 32768)
+
+
+def fold_calls(rows: tuple[int, ...] = (1, 4)):
+    """(query rows, keys, call) for each row count and context of CONTEXTS: attention_cached over one pair of bf16
+    caches of SLOTS slots with a device start (the CUDA kernels bound; bench/decode_ab.py --fold-min-keys too)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kcache = torch.randn(SLOTS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vcache = torch.randn(SLOTS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    for t in rows:
+        q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        for ctx in CONTEXTS:
+            start = torch.tensor([ctx - t], device="cuda")
+            yield t, ctx, lambda q=q, start=start: kc.attention_cached(q, kcache, vcache, start, D**-0.5)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,18 +47,11 @@ def main() -> int:
     if not ok:
         print(f"no CUDA kernels: {why}")
         return 1
-    slots, hq, hkv, d = 32768, 16, 4, 256
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kcache = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    vcache = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    for t in (1, 4):
-        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        cells = []
-        for ctx in (128, 512, 2048, 8192, 32768):
-            start = torch.tensor([ctx - t], device="cuda")
-            fn = lambda q=q, start=start: kc.attention_cached(q, kcache, vcache, start, d**-0.5)  # noqa: E731
-            cells.append(f"{ctx} {min(per_call_us(fn) for _ in range(a.reps)):.2f}")
-        print(f"attention fold T={t}, us a call at keys: " + ", ".join(cells))
+    cells: dict[int, list[str]] = {}
+    for t, ctx, call in fold_calls():
+        cells.setdefault(t, []).append(f"{ctx} {min(per_call_us(call) for _ in range(a.reps)):.2f}")
+    for t, row in cells.items():
+        print(f"attention fold T={t}, us a call at keys: " + ", ".join(row))
     return 0
 
 

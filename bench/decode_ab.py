@@ -324,6 +324,7 @@ def norm_bound(eng: Engine, a: argparse.Namespace) -> None:
 
 
 def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    from attention_fold import fold_calls
     from attention_sweep import per_call_us
 
     from kernels import cuda as kc
@@ -331,19 +332,12 @@ def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings)
     was = kc._ATT_FOLD_MIN_KEYS, kc._ATT_FOLD_MIN_KEYS_ONE_ROW
     values = [int(v) for v in a.fold_min_keys.split(",")]
     # decode attention alone (9B-like heads, bf16, device start as in a plan) over a 32768-slot cache
-    slots, hq, hkv, d = 32768, 16, 4, 256
-    kcache = torch.randn(slots, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vcache = torch.randn_like(kcache)
-    for t in (1, 4):
-        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
-        for ctx in (128, 512, 2048, 8192, 32768):
-            start = torch.tensor([ctx - t], device="cuda")
-            cells = []
-            for v in values:
-                kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = v
-                us = per_call_us(lambda q=q, start=start: kc.attention_cached(q, kcache, vcache, start, d**-0.5))
-                cells.append(f"min keys {v}: {us:.1f}")
-            print(f"attention T={t} context {ctx} (us a call): " + ", ".join(cells))
+    for t, ctx, call in fold_calls():
+        cells = []
+        for v in values:
+            kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = v
+            cells.append(f"min keys {v}: {per_call_us(call):.1f}")
+        print(f"attention T={t} context {ctx} (us a call): " + ", ".join(cells))
     for v in values * 2:
         kc._ATT_FOLD_MIN_KEYS = kc._ATT_FOLD_MIN_KEYS_ONE_ROW = v
         tps, _ = median_tps(eng, target, a.n, a.reps)

@@ -365,14 +365,20 @@ __device__ __forceinline__ float rope_elem(float x_d, float x_p, int d, int half
 #define ATT_UNROLL 2
 #define ATT_MIN_CHUNK (ATT_WARPS * ATT_UNROLL * 4)  // keys: four steps of every warp of a block
 
-// The keys [b, e) of split s of S for query row t (position start + t: it sees keys 0 .. start + t), each split at
-// least min_chunk keys: the host sizes S for the longest context (it does not know the length inside a captured
-// plan), so at short lengths the last splits find no keys (b >= e) and do no work.
+// Query row t's keys n (position start + t: it sees keys 0 .. start + t) and the keys a split of S takes, at least
+// min_chunk (key_split, key_busy).
+__device__ __forceinline__ void key_chunk(const long long* start_ptr, long long start_val, int t, long long max_ctx,
+                                          int S, long long min_chunk, long long& n, long long& chunk) {
+    const long long start = read_start(start_ptr, start_val);
+    n = ll_max(ll_min(start + t + 1, max_ctx), 0);  // the row's keys
+    chunk = ll_max((n + S - 1) / S, min_chunk);      // a split's
+}
+// The keys [b, e) of split s of S for query row t: the host sizes S for the longest context (it does not know the
+// length inside a captured plan), so at short lengths the last splits find no keys (b >= e) and do no work.
 __device__ __forceinline__ void key_split(const long long* start_ptr, long long start_val, int t, long long max_ctx,
                                           int S, int s, long long min_chunk, long long& b, long long& e) {
-    const long long start = read_start(start_ptr, start_val);
-    const long long n = ll_max(ll_min(start + t + 1, max_ctx), 0);
-    const long long chunk = ll_max((n + S - 1) / S, min_chunk);
+    long long n, chunk;
+    key_chunk(start_ptr, start_val, t, max_ctx, S, min_chunk, n, chunk);
     b = (long long)s * chunk;
     e = ll_min(n, b + chunk);
 }
@@ -381,9 +387,8 @@ __device__ __forceinline__ void key_split(const long long* start_ptr, long long 
 // has a split to write it). (64-bit like key_split: in 32 bits ptxas spilled the fold kernel's registers.)
 __device__ __forceinline__ int key_busy(const long long* start_ptr, long long start_val, int t, long long max_ctx,
                                         int S, long long min_chunk) {
-    const long long start = read_start(start_ptr, start_val);
-    const long long n = ll_max(ll_min(start + t + 1, max_ctx), 0);
-    const long long chunk = ll_max((n + S - 1) / S, min_chunk);
+    long long n, chunk;
+    key_chunk(start_ptr, start_val, t, max_ctx, S, min_chunk, n, chunk);
     const long long nb = (n + chunk - 1) / chunk;
     return nb < 1 ? 1 : nb > S ? S : (int)nb;
 }
@@ -752,7 +757,8 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
     long long b, e;
     // At least AV_MIN_KEYS keys a split: a short context keeps a few busy splits instead of many one-step ones
     // (each pays its partial's write and the combine's read)
-    key_split(start_ptr, start_val, t, max_ctx, S, s, step > min_keys ? step : min_keys, b, e);
+    const long long least = step > min_keys ? step : min_keys;
+    key_split(start_ptr, start_val, t, max_ctx, S, s, least, b, e);
     if (FOLD && b >= e && s > 0) return;  // an empty split, past the busy ones: not in the fold (see there)
     if (b >= e && S > 1) {  // no keys here: a neutral partial; attn_combine never reads a weight-0 accumulator
         for (int x = threadIdx.x; x < G; x += blockDim.x) {
@@ -761,7 +767,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
             ws_ml[prow * 2 + 1] = 0.f;
         }
         if (FOLD) {
-            const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, step > min_keys ? step : min_keys);
+            const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, least);
             attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, busy, T, Hq, Hkv, D, t, kvh, cnt);
         }
         return;
@@ -941,7 +947,7 @@ __device__ __forceinline__ void attn_vec_impl(const scalar_t* __restrict__ q, lo
         }
     }
     if (FOLD && S > 1) {  // (the busy splits worked out here, after the key loop: no register held over it)
-        const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, step > min_keys ? step : min_keys);
+        const int busy = key_busy(start_ptr, start_val, t, max_ctx, S, least);
         attn_fold_tail<G>(ws_acc, ws_ml, out, gate, gs0, gs1, busy, T, Hq, Hkv, D, t, kvh, cnt);
     }
 }
