@@ -112,6 +112,11 @@ def main() -> int:
     )
     ap.add_argument("--fold-min-keys", default=None, help="comma list of _ATT_FOLD_MIN_KEYS values to compare")
     ap.add_argument(
+        "--rmlp-warps",
+        default=None,
+        help="comma list of the resident MLP's warps an SM (_RMLP_WARPS_PER_SM) to compare",
+    )
+    ap.add_argument(
         "--exact",
         action="store_true",
         help="only the 9B-like model speculative in gemm mode exact (its fused add + norm form at every row count)",
@@ -158,6 +163,8 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         fold_min_keys_ab(eng, a, target)
     if a.boundary_ab:
         boundary_ab(eng, a, target)
+    if a.rmlp_warps:
+        rmlp_warps_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -343,6 +350,31 @@ def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings)
         tps, _ = median_tps(eng, target, a.n, a.reps)
         print(f"9B-like target-only, gemm auto [attention fold min keys {v}]: {tps:.1f} t/s")
     kc._ATT_FOLD_MIN_KEYS, kc._ATT_FOLD_MIN_KEYS_ONE_ROW = was
+
+
+def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """Target-only decode with the resident MLP's grid at each of --rmlp-warps warps an SM (its blocks a launch:
+    the SMs times the blocks of that many warps that fit), interleaved; each run a new session, so its plans are
+    captured with that grid."""
+    from kernels import cuda as kc
+
+    g = eng.model._gemv
+    auto = dict(g.mlp_choices)
+    print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in auto.items()))
+    g.mlp_choices = {key: "res2.w8.s1" for key in auto}  # the resident form whatever auto's timing took
+    was, first = kc._RMLP_WARPS_PER_SM, None
+    try:
+        for v in [int(v) for v in a.rmlp_warps.split(",")] * 2:
+            kc._RMLP_WARPS_PER_SM = v
+            tps, tokens = median_tps(eng, target, a.n, a.reps)
+            first = tokens if first is None else first
+            print(
+                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, at most {v} warps an SM]: {tps:.1f} t/s"
+                f" (tokens as the first run's: {tokens == first})"
+            )
+    finally:  # the runs after it (the plain target-only figure) as auto chose
+        kc._RMLP_WARPS_PER_SM = was
+        g.mlp_choices = auto
 
 
 def bundled(a: argparse.Namespace) -> None:
