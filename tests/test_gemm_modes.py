@@ -436,3 +436,52 @@ def test_auto_measures_the_mlp_only_outside_a_capture(fake_mlp, tmp_path):
     assert p.mlp_choice(x, gu, down) == "simt2.w8.s4" and p.mlp_choices == {(48, 96): "simt2.w8.s4"}
     assert fake_mlp["measure"] == [("mlp", 1)]
     assert p.mlp_choice(torch.randn(2, 32), gu, down) == "cublas"  # more rows: the separate launches
+
+
+def test_the_projection_before_a_resident_mlp_leaves_its_norm_to_the_mlp(fake_mlp, monkeypatch):
+    """proj_mlp_add_rmsnorm: where the projection runs a gemv kernel and the MLP's variant is one the pending form
+    fits (a resident one), one call of ops.gemv_proj_mlp_add_rmsnorm with both variants; where it does not fit, the
+    projection is on cuBLAS, more than one row, or pending_norm is off, the launches it replaces (add_rmsnorm, then
+    mlp_add_rmsnorm). The numbers are the same either way."""
+    pending = []
+    monkeypatch.setattr(
+        ops, "gemv_proj_mlp_fits", lambda x, wp, r, nw, gu, down, proj, mlp: mlp.startswith("res") and x.shape[0] == 1
+    )
+
+    def pend(x, wp, r, nw, gu, down, nw2, eps, proj, mlp):
+        pending.append((proj, mlp))
+        h, s = ops.add_rmsnorm(F.linear(x, wp), r, nw, eps)
+        return ops.gemv_mlp_add_rmsnorm(h, gu, down, s, nw2, eps, mlp)
+
+    monkeypatch.setattr(ops, "gemv_proj_mlp_add_rmsnorm", pend)
+    g = torch.Generator().manual_seed(3)
+    gu, down, wp = torch.randn(192, 48, generator=g), torch.randn(48, 96, generator=g), torch.randn(48, 40, generator=g)
+    nw, nw2 = torch.randn(48, generator=g) * 0.1, torch.randn(48, generator=g) * 0.1
+    p = products("cupy")
+    assert not p.pending_norm  # off until measured on a device
+    p.pending_norm = True
+    p.choices[(48, 40, 0)] = "simt1.w8.s1"
+    p.mlp_choices[(48, 96)] = "res2.w8.s1"
+    x, r = torch.randn(1, 40), torch.randn(1, 48)
+    want = ops.add_rmsnorm(
+        F.linear(ops.silu_mul(F.linear(ops.add_rmsnorm(F.linear(x, wp), r, nw, 1e-6)[0], gu)), down),
+        ops.add_rmsnorm(F.linear(x, wp), r, nw, 1e-6)[1],
+        nw2,
+        1e-6,
+    )
+    got = p.proj_mlp_add_rmsnorm(x, wp, r, nw, gu, down, nw2, 1e-6)
+    assert pending == [("simt1.w8.s1", "res2.w8.s1")]
+    assert p.labels["48x96 m1 mlp"] == "res2.w8.s1 one launch with gate|up and the add + norm before it"
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want, strict=True))
+    for case in ("per-launch mlp", "cublas projection", "off", "rows"):
+        q = products("cupy")
+        q.choices[(48, 40, 0)] = "cublas" if case == "cublas projection" else "simt1.w8.s1"
+        q.mlp_choices[(48, 96)] = "simt2.w8.s4" if case == "per-launch mlp" else "res2.w8.s1"
+        q.pending_norm = case != "off"
+        xs, rs = (torch.randn(3, 40), torch.randn(3, 48)) if case == "rows" else (x, r)
+        fake_mlp["gemv"].clear()
+        y, s = q.proj_mlp_add_rmsnorm(xs, wp, rs, nw, gu, down, nw2, 1e-6)
+        assert len(pending) == 1, case  # not the pending form
+        h, s1 = ops.add_rmsnorm(F.linear(xs, wp), rs, nw, 1e-6)
+        want_y, want_s = ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(h, gu)), down), s1, nw2, 1e-6)
+        assert torch.allclose(y, want_y, atol=1e-5) and torch.allclose(s, want_s, atol=1e-5), case

@@ -588,6 +588,91 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
     assert torch.equal(y, y2) and torch.equal(s, s2)
 
 
+PROJ_VARIANTS = ["simt1.w8.s1", "tc1.w8.s2", "simt1.w4.s1", "simt2.w4.s2", "tc2.w4.s4", None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("i,k,kp", [(12288, 4096, 4096), (1536, 1024, 2048)])
+def test_gemv_proj_mlp_add_rmsnorm_is_the_launches_it_replaces(kc, dtype, i, k, kp):
+    """The projection before the MLP storing only its sums, and the resident MLP working out the add + norm from
+    them in every block (gemv_simt_m1_c{C}_prmlp): for every pair of variants, the MLP's y and s bit for bit
+    gemv_add_rmsnorm (the projection's variant) then gemv_mlp_add_rmsnorm (the MLP's), in two launches (the
+    projection's plain kernel, then the pending MLP) where it fits: a resident MLP whose blocks have at least the
+    projection's threads, its activation, h and s in _RMLP_SMEM (not fp32 at the 9B-like size); else those two
+    ops."""
+    wp, gu, down = weight(k, kp, dtype), weight(2 * i, k, dtype), weight(k, i, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(21)
+    nw1, nw2 = torch.randn(k, device=CUDA, generator=g) * 0.1, torch.randn(k, device=CUDA, generator=g) * 0.1
+    x, r = rows(1, kp, dtype, seed=22), rows(1, k, dtype, seed=23)
+    want_y, want_s = ref.gemv_proj_mlp_add_rmsnorm(x, wp, r, nw1, gu, down, nw2, 1e-6)
+    pending = 0
+    for mlp in ("res2.w8.s1", "res1.w4.s1", "res2.w4.s1", "simt2.w8.s2"):
+        for proj in PROJ_VARIANTS:
+            label = f"{kp}->{k}->{i} {dtype} {proj} {mlp}"
+            threads = kc._gemv_launch(x, wp, proj)[2][0]
+            family, warps, _ = kc.registry.parse_gemv_variant(mlp)
+            fits = family.startswith("res") and threads <= 32 * warps
+            fits = fits and (i + 2 * k) * x.element_size() <= kc._RMLP_SMEM
+            assert kc.gemv_proj_mlp_fits(x, wp, r, nw1, gu, down, proj, mlp) == fits, label
+            (y, s), names = _launched(
+                kc, lambda p=proj, m=mlp: kc.gemv_proj_mlp_add_rmsnorm(x, wp, r, nw1, gu, down, nw2, 1e-6, p, m)
+            )
+            h1, s1 = kc.gemv_add_rmsnorm(x, wp, r, nw1, 1e-6, proj)
+            y2, s2 = kc.gemv_mlp_add_rmsnorm(h1, gu, down, s1, nw2, 1e-6, mlp)
+            assert torch.equal(y, y2) and torch.equal(s, s2), label
+            assert (names[-1:] == [f"gemv_simt_m1_c{family[-1]}_prmlp"] and len(names) == 2) == fits, (label, names)
+            pending += fits
+            close(s, want_s, label + " s")
+            close(y, want_y, label + " y")
+    assert pending >= (0 if x.element_size() == 4 and i == 12288 else 8)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_proj_mlp_add_rmsnorm_captured_chain(kc, pdl):
+    """Layers one after the other, each its projection and pending MLP (the residual stream through them), captured
+    with and without PDL: a replay with new inputs gives the eager chain's bits, and the chain's bits are those of
+    the launches it replaces."""
+    i, k, dtype = 3072, 1024, torch.bfloat16
+    ws = [(weight(k, k, dtype), weight(2 * i, k, dtype), weight(k, i, dtype))]
+    ws.append((ws[0][0].flip(0).contiguous(), ws[0][1].flip(0).contiguous(), ws[0][2].flip(0).contiguous()))
+    g = torch.Generator(device=CUDA).manual_seed(31)
+    nws = [torch.randn(k, device=CUDA, generator=g) * 0.1 for _ in range(3)]
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+
+    def chain(x, r, pending=True):
+        for j, (wp, gu, down) in enumerate(ws):
+            if pending:
+                x, r = kc.gemv_proj_mlp_add_rmsnorm(
+                    x, wp, r, nws[j], gu, down, nws[j + 1], 1e-6, "simt1.w8.s1", "res2.w8.s1"
+                )
+            else:
+                h, s = kc.gemv_add_rmsnorm(x, wp, r, nws[j], 1e-6, "simt1.w8.s1")
+                x, r = kc.gemv_mlp_add_rmsnorm(h, gu, down, s, nws[j + 1], 1e-6, "res2.w8.s1")
+        return x, r
+
+    try:
+        x_in, r_in = rows(1, k, dtype, seed=32), rows(1, k, dtype, seed=33)
+        chain(x_in, r_in)  # eager first: the counters are made outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                got = chain(x_in, r_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        for seed in (34, 35):
+            x_in.copy_(rows(1, k, dtype, seed=seed))
+            r_in.copy_(rows(1, k, dtype, seed=seed + 10))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = chain(x_in.clone(), r_in.clone(), pending=False)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), seed
+            assert all(torch.equal(a, b) for a, b in zip(chain(x_in, r_in), want, strict=True)), seed
+    finally:
+        kc.set_pdl(False)
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_resident_mlp_is_a_cooperative_launch_eager_and_captured(kc, pdl, monkeypatch):
     """A resident MLP's blocks wait for one another, so it is launched cooperatively (the driver then refuses a grid
