@@ -2086,13 +2086,13 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     )
 
 
-def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
-    """Blocks of the resident MLP's launch for an activation of i elements of x's dtype (staged in shared memory): 0
-    where the gemv module is not loaded or the driver says none fits."""
+def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int, form: str = "rmlp") -> int:
+    """Blocks of the resident MLP's launch (`form`: rmlp, or prmlp, the pending one) staging i elements of x's dtype
+    in shared memory: 0 where the gemv module is not loaded or the driver says none fits."""
     if not gemv_kernels(x.device, x.dtype)[0]:
         return 0
     dev = _dev_index(x.device)
-    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
+    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_{form}")
     return _resident_grid(fn, dev, warps * 32, i * x.element_size())
 
 
@@ -2175,22 +2175,18 @@ def gemv_proj_mlp_fits(
     if not gemv_takes(x, w_proj) or not _add_norm_operands_ok(x, residual, weight, 1, k) or k % (16 // es):
         return False
     _, _, proj_block, _, _, _ = _gemv_launch(x, w_proj, proj_variant)
-    h = torch.empty((1, k), dtype=x.dtype, device=x.device)  # (only its shape, dtype and alignment are looked at)
     return (
         proj_block[0] <= parsed[1] * 32
         and residual.data_ptr() % 16 == 0
-        and gemv_mlp_fits(h, w_gate_up, w_down, mlp_variant)
+        # the MLP's input h is a new [1, k] row like the residual (aligned, checked above): no tensor made to ask
+        and gemv_mlp_fits(residual, w_gate_up, w_down, mlp_variant)
         and _prmlp_grid(x, int(parsed[0][-1]), parsed[1], w_gate_up.shape[0] // 2, k) > 0
     )
 
 
 def _prmlp_grid(x: torch.Tensor, c: int, warps: int, i: int, k: int) -> int:
     """Blocks of the pending resident MLP's launch (its activation, h and s staged: i + 2 k elements)."""
-    if not gemv_kernels(x.device, x.dtype)[0]:
-        return 0
-    dev = _dev_index(x.device)
-    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_prmlp")
-    return _resident_grid(fn, dev, warps * 32, (i + 2 * k) * x.element_size())
+    return _rmlp_grid(x, c, warps, i + 2 * k, "prmlp")
 
 
 def gemv_proj_mlp_add_rmsnorm(
