@@ -5,7 +5,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
-                              [--norm-bound] [--mlp-ab] [--pending-ab]
+                              [--norm-bound] [--mlp-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -23,8 +23,6 @@ set) at each value, in one process, the list twice (each run a new session: its 
 design that moves the norm out of the projection before it). --mlp-ab: each model target-only (gemm auto) with the
 MLP of one row as auto chose, in its separate launches, in one launch with the fastest per-launch variant auto
 timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
---pending-ab: 9B-like target-only with the resident MLP, the add + norm before it in the MLP's launch (the projection
-storing only its sums, kernels/cuda.py gemv_proj_mlp_add_rmsnorm) and in the projection's own, interleaved.
 """
 
 from __future__ import annotations
@@ -119,11 +117,6 @@ def main() -> int:
         help="comma list of the resident MLP's warps an SM (_RMLP_WARPS_PER_SM) to compare",
     )
     ap.add_argument(
-        "--pending-ab",
-        action="store_true",
-        help="9B-like target-only with the add + norm before the resident MLP made in the MLP's launch and not",
-    )
-    ap.add_argument(
         "--exact",
         action="store_true",
         help="only the 9B-like model speculative in gemm mode exact (its fused add + norm form at every row count)",
@@ -172,8 +165,6 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         boundary_ab(eng, a, target)
     if a.rmlp_warps:
         rmlp_warps_ab(eng, a, target)
-    if a.pending_ab:
-        pending_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -383,35 +374,6 @@ def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
             )
     finally:  # the runs after it (the plain target-only figure) as auto chose
         kc._RMLP_WARPS_PER_SM = was
-        g.mlp_choices = auto
-
-
-def pending_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the resident MLP (res2.w8.s1, whatever auto's timing took) and the projection before
-    it storing only its sums, the MLP's launch making their add + norm (GemvProducts.pending_norm), against the
-    projection's own add + norm launch: interleaved, one process, each run a new session (its plans captured so);
-    the tokens of every run against the first's, and the launches a token of each."""
-    g = eng.model._gemv
-    auto = dict(g.mlp_choices)
-    print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in auto.items()))
-    g.mlp_choices = {key: "res2.w8.s1" for key in auto}
-    first = None
-    try:
-        for _ in range(3):
-            for pending in (True, False):
-                g.pending_norm = pending
-                tps, tokens = median_tps(eng, target, a.n, a.reps)
-                first = tokens if first is None else first
-                tag = "norm in the MLP's launch" if pending else "norm in the projection's launch"
-                print(
-                    f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, {tag}]: {tps:.1f} t/s "
-                    f"(tokens as the first run's: {tokens == first})"
-                )
-        for pending in (True, False):
-            g.pending_norm = pending
-            print(f"9B-like launches per token [pending norm {pending}]: {launches_per_token(eng, target):.1f}")
-    finally:
-        g.pending_norm = False
         g.mlp_choices = auto
 
 

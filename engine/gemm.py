@@ -193,11 +193,6 @@ class GemvProducts:
         # chosen above, each with its epilogue (mlp_choice)
         self.mlp_choices: dict[tuple[int, int], str] = {}
         self._tuning = False  # inside tune(): the cache is written once at its end
-        # proj_mlp_add_rmsnorm leaves the projection's add + norm to a resident MLP's launch (bench/decode_ab.py
-        # --pending-ab compares it with the two launches each with its own). Off by default until its GPU tests and
-        # that A/B have run on a device (bench/results/h200-tail-trace-2026-12-05.txt).
-        self.pending_norm = False
-        self.pended: set[tuple[int, int]] = set()  # MLP down shapes whose launch made the projection's add + norm
 
     # ---- the product --------------------------------------------------------------------------------
     def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -245,32 +240,6 @@ class GemvProducts:
         if variant != "cublas":
             return ops.gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, weight, eps, variant)
         return self.add_rmsnorm(self.silu_mul(x, w_gate_up), w_down, residual, weight, eps)
-
-    def proj_mlp_add_rmsnorm(
-        self,
-        x: torch.Tensor,
-        w_proj: torch.Tensor,
-        residual: torch.Tensor,
-        weight: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
-        next_weight: torch.Tensor,
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """mlp_add_rmsnorm(*add_rmsnorm(x, w_proj, residual, weight, eps), ...): the projection before the MLP, the
-        norm after it, the MLP and the add + norm after that. Where the projection runs a gemv kernel and the MLP a
-        resident variant (one row), the projection stores only its sums and the MLP's launch makes the add + norm
-        (ops.gemv_proj_mlp_add_rmsnorm: the same bits, no serial norm at the end of the projection's launch)."""
-        if self.pending_norm and self.takes(x, w_proj):
-            proj = self.choice(x.shape[0], w_proj)
-            if proj != "cublas":
-                variant = self.mlp_choice(residual, w_gate_up, w_down)  # (residual: a row of the MLP's input shape)
-                if ops.gemv_proj_mlp_fits(x, w_proj, residual, weight, w_gate_up, w_down, proj, variant):
-                    args = (x, w_proj, residual, weight, w_gate_up, w_down, next_weight, eps, proj, variant)
-                    self.pended.add((w_down.shape[0], w_down.shape[1]))
-                    return ops.gemv_proj_mlp_add_rmsnorm(*args)
-        h, s = self.add_rmsnorm(x, w_proj, residual, weight, eps)
-        return self.mlp_add_rmsnorm(h, w_gate_up, w_down, s, next_weight, eps)
 
     def mlp_choice(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
         """The one-launch MLP's variant for these operands, or "cublas" (the launches it replaces): only for one
@@ -369,10 +338,7 @@ class GemvProducts:
             fused = self.fused.get((n, k, b))
             out[f"{n}x{k} {bucket_label(b)}"] = c if fused is None else f"{fused} with the delta step ({c} alone)"
         for (n, k), c in sorted(self.mlp_choices.items()):
-            label = "separate launches" if c == "cublas" else f"{c} one launch with gate|up"
-            if (n, k) in self.pended and self.pending_norm:
-                label += " and the add + norm before it"
-            out[f"{n}x{k} {_MLP_LABEL}"] = label
+            out[f"{n}x{k} {_MLP_LABEL}"] = "separate launches" if c == "cublas" else f"{c} one launch with gate|up"
         return out
 
     # ---- auto: measuring --------------------------------------------------------------------------------

@@ -237,19 +237,6 @@ class Model:
             return self._gemv.mlp_add_rmsnorm(x, self.w[p + "mlp.gate_up_packed"], w_down, residual, norm_weight, eps)
         return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
 
-    def proj_mlp_add_norm(
-        self, p: str, a: torch.Tensor, out_w: torch.Tensor, residual: torch.Tensor, next_norm: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of layer prefix p after its mixer's output a: mlp_add_norm(p, *proj_add_norm(a, out_w, residual,
-        post-attention norm)). On one GPU with the gemv kernels, for one row, where the MLP is a resident launch, the
-        projection's add + norm is made by the MLP's launch (GemvProducts.proj_mlp_add_rmsnorm: the same bits)."""
-        post = self.w[p + "post_attention_layernorm.weight"]
-        if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp:
-            gu, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
-            return self._gemv.proj_mlp_add_rmsnorm(a, out_w, residual, post, gu, down, next_norm, eps)
-        h, residual = self.proj_add_norm(a, out_w, residual, post, eps)
-        return self.mlp_add_norm(p, h, residual, next_norm, eps)
-
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to its down projection (which mlp_add_norm makes, through proj_add_norm where the MLP is not
         one launch). With a gemv kernel making the gate|up
@@ -346,9 +333,10 @@ class Model:
             else:
                 a = self._delta_net(i, h, state, start, recurrent)
                 out_w = w[p + "linear_attn.out_proj.weight"]
+            h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = self.proj_mlp_add_norm(p, a, out_w, residual, next_norm, eps)
+            h, residual = self.mlp_add_norm(p, h, residual, next_norm, eps)
         return h
 
     def pick(

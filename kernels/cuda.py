@@ -2086,13 +2086,13 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     )
 
 
-def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int, form: str = "rmlp") -> int:
-    """Blocks of the resident MLP's launch (`form`: rmlp, or prmlp, the pending one) staging i elements of x's dtype
-    in shared memory: 0 where the gemv module is not loaded or the driver says none fits."""
+def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
+    """Blocks of the resident MLP's launch for an activation of i elements of x's dtype (staged in shared memory): 0
+    where the gemv module is not loaded or the driver says none fits."""
     if not gemv_kernels(x.device, x.dtype)[0]:
         return 0
     dev = _dev_index(x.device)
-    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_{form}")
+    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
     return _resident_grid(fn, dev, warps * 32, i * x.element_size())
 
 
@@ -2148,96 +2148,6 @@ def gemv_mlp_add_rmsnorm(
     )  # fmt: skip
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
     _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=resident and pdl.available())
-    return y, s
-
-
-def gemv_proj_mlp_fits(
-    x: torch.Tensor,
-    w_proj: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    proj_variant: str | None,
-    mlp_variant: str | None,
-) -> bool:
-    """Whether gemv_proj_mlp_add_rmsnorm runs its two launches (the projection's sums, then the resident MLP that
-    norms them) for these operands, else the launches it replaces: one row, a gemv kernel for the projection with
-    no more threads a block than the MLP's (its norm's order is emulated), a resident MLP variant that fits, its
-    activation, h and s staged in at most _RMLP_SMEM bytes, and the MLP's output as wide as its input."""
-    parsed = registry.parse_gemv_variant(mlp_variant) if mlp_variant is not None else None
-    if parsed is None or not parsed[0].startswith("res") or x.dim() != 2 or x.shape[0] != 1:
-        return False
-    k = w_proj.shape[0] if w_proj.dim() == 2 else 0
-    es = x.element_size()
-    if k == 0 or (w_gate_up.shape[0] // 2 + 2 * k) * es > _RMLP_SMEM or w_down.shape[0] != k:
-        return False
-    if not gemv_takes(x, w_proj) or not _add_norm_operands_ok(x, residual, weight, 1, k) or k % (16 // es):
-        return False
-    _, _, proj_block, _, _, _ = _gemv_launch(x, w_proj, proj_variant)
-    return (
-        proj_block[0] <= parsed[1] * 32
-        and residual.data_ptr() % 16 == 0
-        # the MLP's input h is a new [1, k] row like the residual (aligned, checked above): no tensor made to ask
-        and gemv_mlp_fits(residual, w_gate_up, w_down, mlp_variant)
-        and _prmlp_grid(x, int(parsed[0][-1]), parsed[1], w_gate_up.shape[0] // 2, k) > 0
-    )
-
-
-def _prmlp_grid(x: torch.Tensor, c: int, warps: int, i: int, k: int) -> int:
-    """Blocks of the pending resident MLP's launch (its activation, h and s staged: i + 2 k elements)."""
-    return _rmlp_grid(x, c, warps, i + 2 * k, "prmlp")
-
-
-def gemv_proj_mlp_add_rmsnorm(
-    x: torch.Tensor,
-    w_proj: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    next_weight: torch.Tensor,
-    eps: float,
-    proj_variant: str | None = None,
-    mlp_variant: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection whose output joins the residual stream, the norm after it, the MLP and the add + norm after
-    that (gemv_add_rmsnorm with proj_variant, then gemv_mlp_add_rmsnorm with mlp_variant) in two launches instead
-    of two with a serial norm at the end of the first: the projection's plain gemv kernel stores only its fp32 sums,
-    and every block of the resident MLP (gemv_simt_m1_c{C}_prmlp) works out the add and the norm from them in its
-    own shared memory, in the order the projection's "_an" launch would have (GvPendStage), so the same bits as
-    the two ops. Returns the MLP's (y, s); the projection's new residual is never stored. Where it does not fit
-    (gemv_proj_mlp_fits), or before one eager call (the counters), the two ops."""
-    fits = gemv_proj_mlp_fits(x, w_proj, residual, weight, w_gate_up, w_down, proj_variant, mlp_variant)
-    family, warps, _ = registry.parse_gemv_variant(mlp_variant) if fits else ("", 0, 0)
-    c = int(family[-1]) if fits else 0
-    i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
-    ntiles = n // (warps * c) if fits else 0
-    cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
-    mcnt = _counters(x.device, ("gemv_rmlp", w_down.data_ptr(), mlp_variant), 1) if cnt is not None else None
-    if mcnt is None:
-        h, s = gemv_add_rmsnorm(x, w_proj, residual, weight, eps, proj_variant)
-        return gemv_mlp_add_rmsnorm(h, w_gate_up, w_down, s, next_weight, eps, mlp_variant)
-    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w_proj, proj_variant)
-    pp = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
-    pargs = la.GemvArgs(
-        x=x, xs=x.stride(0), w=w_proj, wsr=w_proj.stride(0), out=pp, part=pp, M=1, N=n, K=x.shape[1], kchunk=kchunk,
-        vec_ok=int(_gemv_vec_ok(x, w_proj)),
-    )  # fmt: skip
-    _launch_gemv(name, x.dtype, x.device, grid, block, pargs, smem)
-    act = torch.empty((1, i), dtype=x.dtype, device=x.device)
-    part = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    s = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    args = la.GemvPendMlpArgs(
-        wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=n, wd=w_down, wds=w_down.stride(0), part=part, N=n,
-        nw=_f32_norm_weight(next_weight), y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps, pp=pp, PS=splits, pr=residual,
-        pnw=_f32_norm_weight(weight), pnt=block[0], peps=eps,
-    )  # fmt: skip
-    _launch_gemv(
-        f"gemv_simt_m1_c{c}_prmlp", x.dtype, x.device, (_prmlp_grid(x, c, warps, i, n),), (warps * 32,), args,
-        (i + 2 * n) * x.element_size(), cooperative=pdl.available(),
-    )  # fmt: skip
     return y, s
 
 

@@ -286,15 +286,6 @@ GemvMlpArgs = builder(
     "gemv_simt_m1_c1_rmlp",
     "gemv_simt_m1_c2_rmlp",
 )
-GemvPendMlpArgs = builder(
-    "GemvPendMlpArgs",
-    (
-        "ptr wg, i64 wgs, ptr act, i32 I, i32 K, ptr wd, i64 wds, ptr part, i32 N, ptr nw, ptr y, ptr s, ptr cnt, "
-        "ptr mcnt, f32 eps, ptr pp, i32 PS, ptr pr, ptr pnw, i32 pnt, f32 peps"
-    ),
-    "gemv_simt_m1_c1_prmlp",
-    "gemv_simt_m1_c2_prmlp",
-)
 GemvCombineArgs = builder(
     "GemvCombineArgs",
     "ptr part, ptr out, i32 S, i32 MN",

@@ -28,7 +28,6 @@ gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 gemv_silu_mul = reference.gemv_silu_mul
 gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
-gemv_proj_mlp_add_rmsnorm = reference.gemv_proj_mlp_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
 embed_rmsnorm = reference.embed_rmsnorm
 store_rows = reference.store_rows
@@ -136,16 +135,6 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     from . import cuda
 
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
-
-
-def gemv_proj_mlp_fits(x, w_proj, residual, weight, w_gate_up, w_down, proj_variant, mlp_variant) -> bool:
-    """Whether gemv_proj_mlp_add_rmsnorm leaves the projection's add + norm to the MLP's launch for these operands
-    (with the CUDA kernels bound)."""
-    if not _cuda_enabled:
-        return False
-    from . import cuda
-
-    return cuda.gemv_proj_mlp_fits(x, w_proj, residual, weight, w_gate_up, w_down, proj_variant, mlp_variant)
 
 
 def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:

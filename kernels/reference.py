@@ -482,25 +482,6 @@ def gemv_mlp_add_rmsnorm(
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 
-def gemv_proj_mlp_add_rmsnorm(
-    x: torch.Tensor,
-    w_proj: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    next_weight: torch.Tensor,
-    eps: float,
-    proj_variant: str | None = None,
-    mlp_variant: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection whose output joins the residual stream and is normed, then the MLP on it and the add + norm
-    after that: gemv_mlp_add_rmsnorm(*gemv_add_rmsnorm(x, w_proj, residual, weight), ...) -> the MLP's (rmsnorm(s),
-    s). The CUDA form leaves the first add + norm to the MLP's launch (the same bits)."""
-    h, s = gemv_add_rmsnorm(x, w_proj, residual, weight, eps, proj_variant)
-    return gemv_mlp_add_rmsnorm(h, w_gate_up, w_down, s, next_weight, eps, mlp_variant)
-
-
 def argmax_prob(
     logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

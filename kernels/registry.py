@@ -39,7 +39,6 @@ NAMES = (
     "gemv_add_rmsnorm",
     "gemv_silu_mul",
     "gemv_mlp_add_rmsnorm",
-    "gemv_proj_mlp_add_rmsnorm",
     "mtp_prefc",
     "embed_rmsnorm",
     "store_rows",

@@ -69,36 +69,6 @@
 #define PDL_WAIT()
 #endif
 
-// GV_TRACE (bench/tail_trace.py only; kernels/cuda.py never defines it): each block's thread 0 stamps the
-// global timer at named points of a launch into gv_trace[region][block][slot], so that a script can see when a
-// launch's blocks finish their product and how long its tail after them takes. The region is the launch's kind
-// (GV_REGION at its entry: 0 a projection with the add + norm, 1 the resident MLP, 2 the in_proj product with the
-// delta step); a later launch of the same kind overwrites it. Slots: 0 start, 1 product stored, 2 the serial
-// epilogue started (the norm's block; a rule piece after its wait), 3 epilogue done, 4 the resident MLP's
-// activation tiles done, 5 its barrier passed (activation staged), 6 a rule piece done.
-#ifdef GV_TRACE
-#define GV_TRACE_BLOCKS 4096
-__device__ unsigned long long gv_trace[3 * GV_TRACE_BLOCKS * 8];
-__shared__ int gv_trace_region;  // set by thread 0 (the only thread that stamps) at the launch's entry
-#define GV_T(slot)                                                                                                \
-    do {                                                                                                          \
-        if (threadIdx.x == 0) {                                                                                   \
-            unsigned long long gv_t_;                                                                             \
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(gv_t_));                                             \
-            const unsigned b_ = blockIdx.x + blockIdx.y * gridDim.x, r_ = (unsigned)gv_trace_region;             \
-            if (b_ < GV_TRACE_BLOCKS && r_ < 3) gv_trace[(r_ * GV_TRACE_BLOCKS + b_) * 8 + (slot)] = gv_t_;       \
-        }                                                                                                         \
-    } while (0)
-#define GV_REGION(r)                                                                                              \
-    do {                                                                                                          \
-        if (threadIdx.x == 0) gv_trace_region = (r);                                                              \
-        GV_T(0);                                                                                                  \
-    } while (0)
-#else
-#define GV_T(slot)
-#define GV_REGION(r)
-#endif
-
 #ifndef SCALAR_KIND
 #define SCALAR_KIND 0
 #endif
@@ -323,7 +293,6 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
     const int tile = e.tile >= 0 ? e.tile : (int)blockIdx.x, ntiles = e.tile >= 0 ? e.ntiles : (int)gridDim.x;
     if (S > 1 && !gv_last_in(e.cnt + 1 + tile, S, &gv_flag)) return;  // the tile's last split goes on
     if (S == 1) __syncthreads();  // the block's own partials
-    GV_T(1);
     // The tile's splits added in split order, rounded once (gemv_combine), then s = product + residual.
     for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
         const int m = i / cols;
@@ -367,7 +336,6 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
     // Every row of s is complete. The whole block a row: its sum of squares (each thread's vectors in order, then
     // gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w), add_rmsnorm's
     // arithmetic.
-    GV_T(2);
     const int nt = blockDim.x, nv = N / GV_VEC;
     for (int m = m_lo; m < m_hi; ++m) {
         const scalar_t* sr = e.s + (long long)m * N;
@@ -393,7 +361,6 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
             gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, e.nw, yr, v);
     }
-    GV_T(3);
     if (spread && threadIdx.x == 0) {
         int old;
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(e.cnt + 1 + ntiles) : "memory");
@@ -499,17 +466,11 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
 // (blockIdx.y where negative). wait_at: after the PDL wait, lane 0 also waits until *wait_at >= wait_for (the MLP form:
 // the activation's K range of this split stored by the launch's other blocks), x then read with CGX loads.
 // UL: 16-byte W loads in flight per lane (U * C; the order of k per lane is the same whatever it is).
-// CGX: where x is read from (gv_ld_xm's XM). aw: called by every thread right after the PDL wait (the pending
-// norm's staging, GvPendStage: every warp of the block must come here together then).
-struct GvNoop {
-    __device__ __forceinline__ void operator()() const {}
-};
-template <int MB, int C, bool SM, int CGX = 0, int UL = 4, typename AW = GvNoop>
+template <int MB, int C, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
-                                             long long n0, int split, const int* wait_at, int wait_for,
-                                             const AW& aw = AW{}) {
+                                             long long n0, int split, const int* wait_at, int wait_for) {
     constexpr int U = UL / C;  // 16-byte W loads in flight per lane: U * C = UL
     const int lane = threadIdx.x & 31;
     const int s = split >= 0 ? split : (int)blockIdx.y;
@@ -537,7 +498,6 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);
         PDL_WAIT();
-        aw();
         if (wait_at != nullptr) {
             if (lane == 0) gv_wait_count(wait_at, wait_for);
             __syncwarp();
@@ -557,7 +517,6 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         }
     } else {
         PDL_WAIT();  // (the MLP form needs vec_ok: kernels/cuda.py checks)
-        aw();
         for (int k = k0 + lane; k < k1; k += 32) {
             float wf[C];
 #pragma unroll
@@ -597,22 +556,19 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 // (one output column a warp).
 // bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
 // split, S, wait_at, wait_for: the MLP form's (see gv_simt_cols; split < 0: blockIdx.y of gridDim.y splits).
-template <int MB, int C, bool EPI, bool SM, int CGX = 0, int UL = 4, typename AW = GvNoop>
+template <int MB, int C, bool EPI, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                         int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx,
-                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0,
-                                        const AW& aw = AW{}) {
+                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0) {
     const int nw = blockDim.x >> 5;
     constexpr int OC = SM ? 1 : C;  // output columns a warp
     const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
         gv_simt_cols<MB, C, SM, CGX, UL>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
-                                         wait_for, aw);
-    else {
+                                         wait_for);
+    else
         PDL_WAIT();
-        aw();
-    }
     if (EPI) gv_add_norm(part, split >= 0 ? S : (int)gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
 }
 
@@ -631,7 +587,6 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
         int* __restrict__ cnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
-        GV_REGION(0);                                                                                             \
         gv_simt<GV_MB, GV_C, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, vec_ok,                 \
                                           GvEpi{r, rs, nw, y, s, cnt, eps}, blockIdx.x);                         \
     }                                                                                                             \
@@ -722,92 +677,20 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
 // warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
 #define GV_RMLP_LOADS 8  // 16-byte W loads in flight per lane (fewer, fatter blocks than the per-launch forms')
-
-// The pending form (gemv_simt_m1_c{C}_prmlp): the projection before the MLP (o_proj / out_proj) stored only its fp32
-// sums pp [PS splits, K] (a plain gemv launch, no add, no norm); each block of the MLP works out, in its own shared
-// memory, what gv_add_norm would have made of them with the residual pr and the norm weight pnw: s = the new residual
-// (the splits added in order, rounded, plus pr, rounded) and h = rmsnorm(s) * (1 + w), the sum of squares in that
-// launch's order for pnt threads (each thread its vectors v = t, t + pnt, ..., then gv_block_sum; threads from pnt
-// on add exact zeros), so h and s are gv_add_norm's bits for a projection launched with pnt threads. Called right
-// after the PDL wait (the projection is then complete), by every thread of the block.
-struct GvPendStage {
-    const float* pp;
-    int PS;
-    const scalar_t* pr;
-    const float* pnw;
-    int pnt;
-    float peps;
-    int K;
-    scalar_t* h;  // shared: [K]
-    scalar_t* s;  // shared: [K]
-    __device__ __forceinline__ void operator()() const {
-        __shared__ float gv_pend_sh[GV_MAX_WARPS];
-        const int nv = K / GV_VEC;
-        for (int v = threadIdx.x; v < nv; v += blockDim.x) {
-            float sum[GV_VEC];
-#pragma unroll
-            for (int j = 0; j < GV_VEC; ++j) sum[j] = 0.f;
-            for (int sp = 0; sp < PS; ++sp) {
-                const float4* q = reinterpret_cast<const float4*>(pp + (long long)sp * K + (long long)v * GV_VEC);
-#pragma unroll
-                for (int h4 = 0; h4 < GV_VEC / 4; ++h4) {
-                    const float4 f = __ldcg(q + h4);
-                    sum[4 * h4] += f.x;
-                    sum[4 * h4 + 1] += f.y;
-                    sum[4 * h4 + 2] += f.z;
-                    sum[4 * h4 + 3] += f.w;
-                }
-            }
-            float rv[GV_VEC];
-            gv_unpack(gv_ld_cg(pr + (long long)v * GV_VEC), rv);
-#pragma unroll
-            for (int j = 0; j < GV_VEC; ++j) sum[j] = gv_rnd(gv_rnd(sum[j]) + rv[j]);
-            reinterpret_cast<uint4*>(s)[v] = gv_pack(sum);
-        }
-        __syncthreads();
-        float ss = 0.f;
-        if ((int)threadIdx.x < pnt)
-            for (int v = threadIdx.x; v < nv; v += pnt) ss += gv_sum_squares(reinterpret_cast<const uint4*>(s)[v]);
-        const float rsq = rsqrtf(gv_block_sum(ss, gv_pend_sh) / (float)K + peps);
-        for (int v = threadIdx.x; v < nv; v += blockDim.x) gv_norm_store(reinterpret_cast<const uint4*>(s)[v], rsq, pnw, h, v);
-        __syncthreads();
-    }
-};
-// PEND (the _prmlp form): x and r are not given but staged from the projection's sums first (GvPendStage pd; its
-// h and s in the shared memory after the activation's I elements, N == K).
-template <int C, bool PEND = false>
+template <int C>
 __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg,
                                                 long long wgs, scalar_t* act, int I, int K,
                                                 const scalar_t* __restrict__ wd, long long wds,
                                                 float* __restrict__ part, int N, const scalar_t* __restrict__ r,
                                                 const float* __restrict__ nw, scalar_t* __restrict__ y,
-                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps,
-                                                GvPendStage pd = GvPendStage{}) {
+                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps) {
     extern __shared__ uint4 gv_act4[];
     constexpr int U = GV_RMLP_LOADS / C;  // twice gv_simt_cols's loads in flight (the same order of k per lane)
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ngu = I / warps, ntiles = N / (warps * C);
-    if (PEND) {
-        pd.h = reinterpret_cast<scalar_t*>(gv_act4) + I;
-        pd.s = pd.h + K;
-        x = pd.h;
-        r = pd.s;
-        int t = blockIdx.x;
-        if (t < ngu)  // the first tile stages h and s right after the PDL wait, its first W loads in flight
-            gv_simt<1, 2, false, true, 2, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t, -1,
-                                                         0, nullptr, 0, pd);
-        for (t += gridDim.x; t < ngu; t += gridDim.x)
-            gv_simt<1, 2, false, true, 2, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
-        if ((int)blockIdx.x >= ngu) {
-            PDL_WAIT();
-            pd();
-        }
-    } else {
-        for (int t = blockIdx.x; t < ngu; t += gridDim.x)
-            gv_simt<1, 2, false, true, 0, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
-    }
+    for (int t = blockIdx.x; t < ngu; t += gridDim.x)
+        gv_simt<1, 2, false, true, false, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
     PDL_WAIT();  // (a block without an activation tile has not waited yet)
     __syncthreads();  // the block's columns are stored
-    GV_T(4);
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt) : "memory");
     const int v1 = I / GV_VEC;
     const scalar_t* xa = reinterpret_cast<const scalar_t*>(gv_act4);
@@ -829,7 +712,6 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
             __syncthreads();
             for (int i = threadIdx.x; i < v1; i += blockDim.x) gv_act4[i] = gv_ld_cg(act + (long long)i * GV_VEC);
             __syncthreads();
-            GV_T(5);
             staged = true;
         }
         if (pre) {
@@ -865,18 +747,7 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
         scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
         PDL_TRIGGER();                                                                                            \
-        GV_REGION(1);                                                                                             \
         gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps);              \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m1_c##GV_C##_prmlp(                 \
-        const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I, int K,                              \
-        const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N,                          \
-        const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s, int* __restrict__ cnt,  \
-        int* __restrict__ mcnt, float eps, const float* __restrict__ pp, int PS, const scalar_t* __restrict__ pr,  \
-        const float* __restrict__ pnw, int pnt, float peps) {                                                     \
-        PDL_TRIGGER();                                                                                            \
-        gv_resident_mlp<GV_C, true>(nullptr, wg, wgs, act, I, K, wd, wds, part, N, nullptr, nw, y, s, cnt, mcnt,  \
-                                    eps, GvPendStage{pp, PS, pr, pnw, pnt, peps, K, nullptr, nullptr});           \
     }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
@@ -1098,7 +969,6 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         long long rs, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,           \
         int* __restrict__ cnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
-        GV_REGION(0);                                                                                             \
         (void)vec_ok;                                                                                             \
         gv_tc<GV_MT, GV_CT, true, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk,                          \
                                          GvEpi{r, rs, nw, y, s, cnt, eps}, blockIdx.x);                          \
@@ -1272,7 +1142,6 @@ __device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t*
     const GdrNorm nm{prod + d.C, N, d.nw, d.y, d.ncnt, d.eps};
     const float z0 = (int)threadIdx.x < d.dv ? to_f(gdr_ld<true>(nm.z + (long long)h * d.dv + threadIdx.x)) : 0.f;
     gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
-    GV_T(3);
 }
 
 // Called by every thread once the block's tile (of `group`, gv_dr_tile) of the product is stored in prod [M, N].
@@ -1284,12 +1153,10 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
     const int n_g = (2 * d.dk + r * d.dv) / width, n_ab = (2 * d.Hv + width - 1) / width;
     const int norm_of = ncb + d.dv / width;  // a head's pieces and z tiles
     if (group <= -2) {
-        GV_T(1);
         gv_dr_norm_arrive<DK>(-2 - group, norm_of, prod, M, N, d);
         return;
     }
     __syncthreads();  // the block's stores of its tile are done
-    GV_T(1);
     if (threadIdx.x == 0) {
         int old;  // release: this block's tile; acquire: nothing yet (the wait below)
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;"
@@ -1306,7 +1173,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
     __syncthreads();
     const int first = s_first;
     if (first < 0) return;
-    GV_T(2);
     int ran = 0;
     for (int p = first; p >= 0; p -= n_g) {  // piece `first`, and with fewer tiles than pieces every n_g-th below
         const int h = group * r + p / ncb;
@@ -1315,7 +1181,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         ++ran;
         __syncthreads();  // the piece's shared memory is free again
     }
-    GV_T(6);
     if (threadIdx.x == 0) {
         int old;  // the launch's last piece leaves the group counters at zero for the next launch
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;"
@@ -1335,7 +1200,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
         int* ncnt, int* gcnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
-        GV_REGION(2);                                                                                             \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
@@ -1353,7 +1217,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
         int* ncnt, int* gcnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
-        GV_REGION(2);                                                                                             \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
         int group;                                                                                               \
