@@ -403,12 +403,16 @@ def test_the_one_launch_mlp_must_win_by_its_margin():
     assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin) - 0.01, "tc1.w8.s2": 9.5}) == "simt2.w8.s4"
     assert gemm.pick_mlp({"cublas": 10.0, "simt2.w8.s4": 10.0 * (1 - margin / 2)}) == "cublas"
     assert gemm.pick_mlp({"cublas": 10.0}) == "cublas"
-    # a resident variant has its own, smaller margin: taken ahead of a faster per-launch form that misses its own
+    # a resident variant has its own margin, negative (decode favoured it where its timing was a tie): taken even a
+    # little slower than the separate launches, ahead of a faster per-launch form that misses its own margin, but not
+    # beyond that margin, and never without the separate launches' timing
     res = gemm._RESIDENT_MLP_MARGIN
-    assert res < margin
+    assert res < 0 < margin
     times = {"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res) - 0.01, "simt2.w8.s4": 10.0 * (1 - margin) + 0.01}
     assert gemm.pick_mlp(times) == "res2.w8.s1"
-    assert gemm.pick_mlp({"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res / 2)}) == "cublas"
+    assert gemm.pick_mlp({"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res / 2)}) == "res2.w8.s1"
+    assert gemm.pick_mlp({"cublas": 10.0, "res2.w8.s1": 10.0 * (1 - res) + 0.01}) == "cublas"
+    assert gemm.pick_mlp({"cublas": 10.0, "res2.w8.s1": 9.0, "simt2.w8.s4": 8.5}) == "simt2.w8.s4"
     assert gemm.pick_mlp({"res2.w8.s1": 1.0}) == "cublas"  # nothing to compare with
 
 
