@@ -5,7 +5,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
-                              [--norm-bound] [--mlp-ab]
+                              [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -23,6 +23,8 @@ set) at each value, in one process, the list twice (each run a new session: its 
 design that moves the norm out of the projection before it). --mlp-ab: each model target-only (gemm auto) with the
 MLP of one row as auto chose, in its separate launches, in one launch with the fastest per-launch variant auto
 timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
+--rmlp-coop-ab: 9B-like target-only with the resident MLP launched cooperatively and as a plain PDL launch,
+interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
 """
 
 from __future__ import annotations
@@ -117,6 +119,12 @@ def main() -> int:
         help="comma list of the resident MLP's warps an SM (_RMLP_WARPS_PER_SM) to compare",
     )
     ap.add_argument(
+        "--rmlp-coop-ab",
+        action="store_true",
+        help="9B-like target-only with the resident MLP launched cooperatively and as a PDL launch, interleaved",
+    )
+    ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
+    ap.add_argument(
         "--exact",
         action="store_true",
         help="only the 9B-like model speculative in gemm mode exact (its fused add + norm form at every row count)",
@@ -165,6 +173,12 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         boundary_ab(eng, a, target)
     if a.rmlp_warps:
         rmlp_warps_ab(eng, a, target)
+    if a.mlp_times:
+        g = eng.model._gemv
+        for _ in range(a.mlp_times):
+            print(f"9B-like MLP timing (us per call): {g._measure_mlp(eng.model._mlp_pairs())}")
+    if a.rmlp_coop_ab:
+        rmlp_coop_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -374,6 +388,31 @@ def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
             )
     finally:  # the runs after it (the plain target-only figure) as auto chose
         kc._RMLP_WARPS_PER_SM = was
+        g.mlp_choices = auto
+
+
+def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """Target-only decode with the resident MLP (res2.w8.s1, whatever auto's timing took) launched cooperatively
+    (kernels.cuda._RMLP_COOPERATIVE: scheduled once every block fits) and as a plain PDL launch (its blocks scheduled
+    as the projection's leave), interleaved, each run a new session; the tokens of every run against the first's."""
+    from kernels import cuda as kc
+
+    g = eng.model._gemv
+    auto = dict(g.mlp_choices)
+    g.mlp_choices = {key: "res2.w8.s1" for key in auto}
+    was, first = kc._RMLP_COOPERATIVE, None
+    try:
+        for coop in (True, False) * 3:
+            kc._RMLP_COOPERATIVE = coop
+            tps, tokens = median_tps(eng, target, a.n, a.reps)
+            first = tokens if first is None else first
+            tag = "cooperative" if coop else "PDL, not cooperative"
+            print(
+                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, {tag}]: {tps:.1f} t/s "
+                f"(tokens as the first run's: {tokens == first})"
+            )
+    finally:
+        kc._RMLP_COOPERATIVE = was
         g.mlp_choices = auto
 
 

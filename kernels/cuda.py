@@ -2024,6 +2024,10 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
 # warps an SM, 8 loads in flight a lane, was the fastest).
 _RMLP_SMEM = 40 * 1024
 _RMLP_WARPS_PER_SM = 16
+# The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once
+# instead of a wait that never ends; it then starts only once the kernel before it has drained. False (a bench
+# switch, bench/decode_ab.py --rmlp-coop-ab): a plain PDL launch whose blocks are scheduled as that kernel's leave.
+_RMLP_COOPERATIVE = True
 _occupancy_cache: dict[tuple, int] = {}
 
 
@@ -2147,7 +2151,8 @@ def gemv_mlp_add_rmsnorm(
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
     )  # fmt: skip
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
-    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=resident and pdl.available())
+    coop = resident and pdl.available() and _RMLP_COOPERATIVE
+    _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=coop)
     return y, s
 
 
