@@ -368,51 +368,40 @@ def fold_min_keys_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings)
 
 def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     """Target-only decode with the resident MLP's grid at each of --rmlp-warps warps an SM (its blocks a launch:
-    the SMs times the blocks of that many warps that fit), interleaved; each run a new session, so its plans are
-    captured with that grid."""
+    the SMs times the blocks of that many warps that fit), interleaved."""
+    values = [int(v) for v in a.rmlp_warps.split(",")] * 2
+    resident_setting_ab(eng, a, target, "_RMLP_WARPS_PER_SM", values, lambda v: f"at most {v} warps an SM")
+
+
+def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """Target-only decode with the resident MLP launched cooperatively (kernels.cuda._RMLP_COOPERATIVE: scheduled
+    once every block fits) and as a plain PDL launch (its blocks scheduled as the projection's leave), interleaved."""
+    tag = lambda coop: "cooperative" if coop else "PDL, not cooperative"  # noqa: E731
+    resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag)
+
+
+def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:
+    """Target-only decode with the resident MLP (res2.w8.s1, whatever auto's timing took) at each of `values` of the
+    kernels.cuda setting `name`, in that order, each run a new session (its plans captured with that value); the
+    tokens of every run against the first's. The setting and auto's choices are restored after."""
     from kernels import cuda as kc
 
     g = eng.model._gemv
     auto = dict(g.mlp_choices)
     print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in auto.items()))
     g.mlp_choices = {key: "res2.w8.s1" for key in auto}  # the resident form whatever auto's timing took
-    was, first = kc._RMLP_WARPS_PER_SM, None
+    was, first = getattr(kc, name), None
     try:
-        for v in [int(v) for v in a.rmlp_warps.split(",")] * 2:
-            kc._RMLP_WARPS_PER_SM = v
+        for v in values:
+            setattr(kc, name, v)
             tps, tokens = median_tps(eng, target, a.n, a.reps)
             first = tokens if first is None else first
             print(
-                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, at most {v} warps an SM]: {tps:.1f} t/s"
+                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, {tag(v)}]: {tps:.1f} t/s"
                 f" (tokens as the first run's: {tokens == first})"
             )
     finally:  # the runs after it (the plain target-only figure) as auto chose
-        kc._RMLP_WARPS_PER_SM = was
-        g.mlp_choices = auto
-
-
-def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the resident MLP (res2.w8.s1, whatever auto's timing took) launched cooperatively
-    (kernels.cuda._RMLP_COOPERATIVE: scheduled once every block fits) and as a plain PDL launch (its blocks scheduled
-    as the projection's leave), interleaved, each run a new session; the tokens of every run against the first's."""
-    from kernels import cuda as kc
-
-    g = eng.model._gemv
-    auto = dict(g.mlp_choices)
-    g.mlp_choices = {key: "res2.w8.s1" for key in auto}
-    was, first = kc._RMLP_COOPERATIVE, None
-    try:
-        for coop in (True, False) * 3:
-            kc._RMLP_COOPERATIVE = coop
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = tokens if first is None else first
-            tag = "cooperative" if coop else "PDL, not cooperative"
-            print(
-                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, {tag}]: {tps:.1f} t/s "
-                f"(tokens as the first run's: {tokens == first})"
-            )
-    finally:
-        kc._RMLP_COOPERATIVE = was
+        setattr(kc, name, was)
         g.mlp_choices = auto
 
 
