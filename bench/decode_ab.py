@@ -376,8 +376,8 @@ def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
 def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     """Target-only decode with the resident MLP launched cooperatively (kernels.cuda._RMLP_COOPERATIVE: scheduled
     once every block fits) and as a plain PDL launch (its blocks scheduled as the projection's leave), interleaved."""
-    tag = lambda coop: "cooperative" if coop else "PDL, not cooperative"  # noqa: E731
-    resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag)
+    tag = {True: "cooperative", False: "PDL, not cooperative"}
+    resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag.get)
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:
