@@ -81,6 +81,10 @@ class Model:
         # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
         # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
         self.fuse_mlp = True
+        # the norm after a layer's output projection left to its MLP where that is one resident launch of one row
+        # (GemvProducts.add_mlp_add_rmsnorm: the projection stores the residual stream only, each MLP block norms it
+        # as it stages it); off only to measure it (bench/decode_ab.py --defer-ab)
+        self.defer_norm = True
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -237,6 +241,26 @@ class Model:
             return self._gemv.mlp_add_rmsnorm(x, self.w[p + "mlp.gate_up_packed"], w_down, residual, norm_weight, eps)
         return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
 
+    def out_mlp(
+        self,
+        p: str,
+        a: torch.Tensor,
+        out_w: torch.Tensor,
+        residual: torch.Tensor,
+        post_norm: torch.Tensor,
+        next_norm: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of layer prefix p after its mixer's output a: proj_add_norm(a, out_w, residual, post_norm), then
+        mlp_add_norm with the next norm -> (normed, new residual). On one GPU with the gemv kernels, where the MLP is
+        one resident launch of one row, the projection leaves its norm to the MLP (GemvProducts.add_mlp_add_rmsnorm:
+        no norm at the end of the projection's launch; the same rows within a rounding)."""
+        if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp and self.defer_norm:
+            gate_up, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
+            return self._gemv.add_mlp_add_rmsnorm(a, out_w, residual, post_norm, gate_up, down, next_norm, eps)
+        h, residual = self.proj_add_norm(a, out_w, residual, post_norm, eps)
+        return self.mlp_add_norm(p, h, residual, next_norm, eps)
+
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to its down projection (which mlp_add_norm makes, through proj_add_norm where the MLP is not
         one launch). With a gemv kernel making the gate|up
@@ -333,10 +357,9 @@ class Model:
             else:
                 a = self._delta_net(i, h, state, start, recurrent)
                 out_w = w[p + "linear_attn.out_proj.weight"]
-            h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = self.mlp_add_norm(p, h, residual, next_norm, eps)
+            h, residual = self.out_mlp(p, a, out_w, residual, w[p + "post_attention_layernorm.weight"], next_norm, eps)
         return h
 
     def pick(
@@ -523,6 +546,7 @@ class Model:
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
         tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
+        tag = tag if self.defer_norm else (*tag, "norm in the projection")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property
@@ -584,12 +608,11 @@ class Model:
         for j in range(layers):
             p = f"mtp.layers.{j}."
             a = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
-            h, x = self.proj_add_norm(
-                a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], eps
-            )
             # x + MLP(h), then the next layer's input norm, or the final one: one add_rmsnorm
             nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
-            h, x = self.mlp_add_norm(p, h, x, nxt, eps)
+            h, x = self.out_mlp(
+                p, a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], nxt, eps
+            )
         return h
 
 
