@@ -392,18 +392,20 @@ def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None
     m, first = eng.model, None
     print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in m._gemv.mlp_choices.items()))
     try:
-        for j, defer in enumerate((True, False) * 3):
-            m.defer_norm = defer
-            tag = "norm deferred to the MLP" if defer else "norm in the projection"
+        cells = ((True, True), (True, False), (False, False)) * 2
+        for j, (defer, into_rule) in enumerate(cells):
+            m.defer_norm, m.defer_into_rule = defer, into_rule
+            tag = "norm in the projection" if not defer else "norm deferred to the MLP"
+            tag += " and to the delta step" if defer and into_rule else ""
             tps, tokens = median_tps(eng, target, a.n, a.reps)
             first = tokens if first is None else first
             print(
                 f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})"
             )
-            if j < 2:
+            if j < 3:
                 print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     finally:
-        m.defer_norm = True
+        m.defer_norm = m.defer_into_rule = True
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:

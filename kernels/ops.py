@@ -138,6 +138,16 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
 
 
+def gemv_rule_stages(x, w, variant, x_weight) -> bool:
+    """Whether gemv_conv_delta_rule_norm given x_weight norms the row x in its own launch (with the CUDA kernels
+    bound), rather than rmsnorm first."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_rule_stages(x, w, variant, x_weight)
+
+
 def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:
     """Whether gemv_silu_mul of `variant` is one launch for these operands (with the CUDA kernels bound)."""
     if not _cuda_enabled:

@@ -359,10 +359,15 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
+    x_weight: torch.Tensor | None = None,
+    x_eps: float | None = None,
 ) -> torch.Tensor:
     """The delta-net's decode step from its input rows x [T, K]: the packed in_proj product x @ w^T (gemv), then
     conv_delta_rule_norm of its columns (in_proj_step): y [T, Hv, dv]. One launch on a GPU where a gemv kernel
-    makes the product; `variant` names that kernel's launch and means nothing here."""
+    makes the product; `variant` names that kernel's launch and means nothing here. x_weight given (the deferred
+    norm): x is the residual stream and the product's input rmsnorm(x, x_weight, x_eps; None: eps)."""
+    if x_weight is not None:
+        x = rmsnorm(x, x_weight, eps if x_eps is None else x_eps)
     return in_proj_step(
         gemv(x, w), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
     )
@@ -478,7 +483,7 @@ def gemv_mlp_add_rmsnorm(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     variant: str | None = None,
     x_weight: torch.Tensor | None = None,
@@ -486,9 +491,12 @@ def gemv_mlp_add_rmsnorm(
     """The MLP (packed gate|up [2 I, K], down [N, I]) and the residual add + norm after it: gemv_add_rmsnorm(
     gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps) -> (rmsnorm(s), s). `variant` names the down
     product's launch; the CUDA form makes all of it in one launch for one row. x_weight given: x is the residual
-    stream before its norm (gemv_add's s), the MLP's input is rmsnorm(x, x_weight, eps) (the deferred norm)."""
+    stream before its norm (gemv_add's s), the MLP's input is rmsnorm(x, x_weight, eps) (the deferred norm).
+    weight None: the norm after it is left to the next kernel (gemv_add's s): (None, s)."""
     if x_weight is not None:
         x = rmsnorm(x, x_weight, eps)
+    if weight is None:
+        return None, gemv_add(gemv_silu_mul(x, w_gate_up), w_down, residual, variant)
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 

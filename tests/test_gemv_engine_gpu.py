@@ -188,3 +188,66 @@ def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, ba
             assert eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens == want, (w.name, defer)
     eng.model.defer_norm = True
     eng.close()
+
+
+def test_the_norm_deferred_into_the_fused_delta_step_keeps_the_bits_bf16(path, monkeypatch):
+    """bf16, the in_proj + step fused whatever its size: where a delta-net layer follows, the resident MLP before it
+    leaves its norm to the fused step's launch (which stages its row), and each output projection leaves its norm to
+    the MLP. With every norm made by 8 warps either way (the projections simt1.w8.s1, the MLP res2.w8.s1, the step
+    tc2.w8.s1) the text is the same bit for bit with the deferral on and off, eager and captured, speculative too;
+    the launches are the deferred forms where they should be and nothing falls back."""
+    import kernels.cuda as kc
+    from engine import gemm
+
+    monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 0)
+    eng = Engine.load(path, device="cuda", dtype="bfloat16", gemm="cupy")
+    g, m = eng.model._gemv, eng.model
+    g.mlp_choices = {key: "res2.w8.s1" for key in g.mlp_choices}
+    for name, t in m.w.items():
+        if name.endswith(("out_proj.weight", "o_proj.weight")):
+            g.choices[(t.shape[0], t.shape[1], 0)] = "simt1.w8.s1"
+    row = torch.zeros((1, eng.cfg.hidden_size), dtype=torch.bfloat16, device="cuda")
+    if not ops.gemv_mlp_fits(
+        row, m.w["layers.0.mlp.gate_up_packed"], m.w["layers.0.mlp.down_proj.weight"], "res2.w8.s1"
+    ):
+        pytest.skip("the bundled model's MLP does not take the resident form")
+    launched, real = [], kc._launch_gemv
+
+    def record_names(name, dtype, device, grid, block, args, *rest, **kw):
+        tag = name
+        if name.endswith("_an") and args.y is None:
+            tag = "deferred projection"
+        elif "_dr" in name and args.xnw is not None:
+            tag = "staged step"
+        elif name.endswith("_rmlp") and args.y is None:
+            tag = "deferred mlp"
+        launched.append(tag)
+        return real(name, dtype, device, grid, block, args, *rest, **kw)
+
+    monkeypatch.setattr(kc, "_launch_gemv", record_names)
+    before = dict(ops.fallbacks())
+    plain = EngineSettings(speculative=False, plan_pool=0)
+    target = EngineSettings(speculative=False, plan_pool=8)
+    spec = EngineSettings(draft_depth=3, chain=True, plan_pool=8)
+    prompt = load_workloads()["code_gen"].prompt_for(eng.tokenizer)
+    texts = {}
+    for defer in (True, False):
+        m.defer_norm = defer
+        launched.clear()
+        texts[defer] = eng.generate(prompt, 2, plain, eng.new_session()).tokens
+        kinds = eng.cfg.layer_types
+        staged = sum(1 for j in range(1, len(kinds)) if kinds[j] != "full_attention")  # a decode step's
+        if defer:
+            steps, rest = divmod(launched.count("deferred projection"), eng.cfg.num_layers)
+            assert steps >= 1 and rest == 0, launched
+            assert launched.count("staged step") == launched.count("deferred mlp") == steps * staged > 0, launched
+        else:
+            assert not any(" " in name for name in launched), launched
+        texts[(defer, "captured")] = eng.generate(prompt, N_NEW, target, eng.new_session()).tokens
+        texts[(defer, "spec")] = eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens
+    assert texts[True] == texts[False]
+    assert texts[(True, "captured")] == texts[(False, "captured")]
+    assert texts[(True, "spec")][:4] == texts[(True, "captured")][:4]  # bf16: a verify's rows are other kernels
+    assert ops.fallbacks() == before
+    m.defer_norm = True
+    eng.close()

@@ -670,7 +670,7 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
             # every launch hands its ticket and chunk counters back at zero, or the next one would wait forever
             splits = kc._gemv_splits(i, kc.registry.parse_gemv_variant(variant)[2])[1]
             if variant.startswith("res"):
-                mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+                mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 2)
             else:
                 mcnt = kc._counters(CUDA, ("gemv_mlp", down.data_ptr(), variant), 1 + splits)
             assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
@@ -751,5 +751,75 @@ def test_the_resident_mlp_norms_its_deferred_input_as_the_projection_would(kc, d
         want = normed(a, r)
         torch.cuda.synchronize()
         assert all(torch.equal(p, q) for p, q in zip(outs, want, strict=True)), (variant, seed)
-    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 2)
     assert mcnt is not None and mcnt.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hk,hv,dk,dv,k", [DELTA_SHAPES[0], DELTA_SHAPES[1]])
+def test_the_fused_delta_step_norms_its_deferred_input_as_the_mlp_would(kc, dtype, hk, hv, dk, dv, k):
+    """The deferred norm into the delta-net: the resident MLP given no norm weight stores only s (bit for bit its
+    s with one), and the fused in_proj + step given x_weight norms s as each block stages it (tc2.w8.s1: 8 warps,
+    the MLP's res2.w8.s1 norm's order), so its output, conv ring and planes are bit for bit those of the step on
+    the MLP's normed y, also replayed from a graph; one launch each, nothing falls back. The CUDA-core form of the
+    step (no staging) norms first: gemv_rule_stages says which."""
+    lay = _delta_layer(hk, hv, dk, dv, k, dtype)
+    i = 3 * k
+    gu, down = weight(2 * i, k, dtype), weight(k, i, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(17)
+    nw, post = torch.randn(k, device=CUDA, generator=g) * 0.1, torch.randn(k, device=CUDA, generator=g) * 0.1
+    start = torch.tensor([5], device=CUDA)
+    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
+                                lay["norm_w"], 1e-6)  # fmt: skip
+    x_in, r_in = rows(1, k, dtype, seed=3), rows(1, k, dtype, seed=4)
+    before = dict(kc.registry.fallbacks())
+
+    def deferred(x, r, conv, state):
+        none, s = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, None, 1e-6, "res2.w8.s1", x_weight=post)
+        assert none is None
+        return s, kc.gemv_conv_delta_rule_norm(s, lay["w"], *step(conv, state), "tc2.w8.s1", nw)
+
+    def normed(x, r, conv, state):
+        y, s = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1", x_weight=post)
+        return s, kc.gemv_conv_delta_rule_norm(y, lay["w"], *step(conv, state), "tc2.w8.s1")
+
+    conv, state = lay["conv0"].clone(), lay["state0"].clone()
+    (s, y), names = _launched(kc, lambda: deferred(x_in, r_in, conv, state))
+    assert names == ["gemv_simt_m1_c2_rmlp", f"gemv_tc_t1_c2_dr{64 if dk <= 64 else 128}"], names
+    conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+    s2, y2 = normed(x_in, r_in, conv2, state2)
+    assert torch.equal(s, s2) and torch.equal(y, y2) and torch.equal(conv, conv2) and torch.equal(state, state2)
+    rconv, rstate = lay["conv0"].clone(), lay["state0"].clone()
+    h = ref.rmsnorm(s2, nw, 1e-6)
+    close(y, ref.gemv_conv_delta_rule_norm(h, lay["w"], *step(rconv, rstate)), f"{dtype} reference")
+    assert kc.gemv_rule_stages(s, lay["w"], "tc2.w8.s1", nw)
+    assert not kc.gemv_rule_stages(s, lay["w"], "simt1.w8.s1", nw)
+    assert not kc.gemv_rule_stages(rows(2, k, dtype, seed=1), lay["w"], "tc2.w8.s1", nw)
+    conv3, state3 = lay["conv0"].clone(), lay["state0"].clone()
+    y3 = kc.gemv_conv_delta_rule_norm(s, lay["w"], *step(conv3, state3), "simt1.w8.s1", nw)
+    conv4, state4 = lay["conv0"].clone(), lay["state0"].clone()
+    y4 = kc.gemv_conv_delta_rule_norm(kc.rmsnorm(s, nw, 1e-6), lay["w"], *step(conv4, state4), "simt1.w8.s1")
+    assert torch.equal(y3, y4) and torch.equal(state3, state4)
+    conv_in, state_in = lay["conv0"].clone(), lay["state0"].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = deferred(x_in, r_in, conv_in, state_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        x, r = rows(1, k, dtype, seed=60 + seed), rows(1, k, dtype, seed=70 + seed)
+        x_in.copy_(x)
+        r_in.copy_(r)
+        conv_in.copy_(lay["conv0"])
+        state_in.copy_(lay["state0"])
+        graph.replay()
+        conv5, state5 = lay["conv0"].clone(), lay["state0"].clone()
+        want = normed(x, r, conv5, state5)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1]), seed
+        assert torch.equal(state_in, state5) and torch.equal(conv_in, conv5), seed
+    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), "res2.w8.s1"), 2)
+    assert mcnt is not None and mcnt.count_nonzero().item() == 0
+    assert kc.registry.fallbacks() == before

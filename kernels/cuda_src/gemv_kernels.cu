@@ -172,6 +172,13 @@ __device__ __forceinline__ uint4 gv_ld_x(const void* p) {
     return r;
 }
 
+// x read generically (XG: global or shared memory) or with gv_ld_x.
+template <bool XG>
+__device__ __forceinline__ uint4 gv_ld_xg(const scalar_t* p) {
+    if (XG) return *reinterpret_cast<const uint4*>(p);
+    return gv_ld_x(p);
+}
+
 __device__ __forceinline__ float gv_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -741,8 +748,10 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 //     and gv_add_norm's add + norm (the _an form's code and counters cnt, no split).
 // The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). xnw given (the
 // deferred norm): x is the residual stream s, which each block norms (gv_stage_norm, weight xnw, eps) into its shared
-// memory before its first activation tile reads it: the bits of gemv_add_rmsnorm's norm with W warps. The launch's last
-// tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
+// memory before its first activation tile reads it: the bits of gemv_add_rmsnorm's norm with W warps. y == nullptr
+// (the norm after it deferred to the next kernel): s only. mcnt has two counters: the arrivals after the activation
+// (mcnt[0]) and the blocks past their wait (mcnt[1]); the last of those leaves both at zero (no block reads them
+// again in this launch), the launch's last norm leaves cnt at zero. A block waits only
 // while every block is resident (the grid is sized so), so the wait always ends (no
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
 // warps and of GV_VEC, N of warps * C, and I elements of shared memory (with xnw, K <= I: kernels/cuda.py checks).
@@ -788,7 +797,16 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);  // in flight during the wait and the staging
         if (!staged) {
-            if (threadIdx.x == 0) gv_wait_count(mcnt, (int)gridDim.x);
+            if (threadIdx.x == 0) {
+                gv_wait_count(mcnt, (int)gridDim.x);
+                // counted past the wait at mcnt[1]: the last of the blocks with a down tile (every one waits once)
+                // leaves both counters at zero for the next launch, here and not in the launch's tail
+                const int passers = ntiles < (int)gridDim.x ? ntiles : (int)gridDim.x;
+                if (atomicAdd(mcnt + 1, 1) == passers - 1) {
+                    mcnt[1] = 0;
+                    mcnt[0] = 0;
+                }
+            }
             __syncthreads();
             for (int i = threadIdx.x; i < v1; i += blockDim.x) gv_act4[i] = gv_ld_cg(act + (long long)i * GV_VEC);
             __syncthreads();
@@ -815,9 +833,7 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         GvEpi e{r, N, nw, y, s, cnt, eps};
         e.tile = tile;
         e.ntiles = ntiles;
-        e.zero = mcnt;
-        e.nzero = 1;
-        gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);
+        gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);  // y == nullptr: s only
     }
 }
 #define GEMV_SIMT_RMLP(GV_C)                                                                                      \
@@ -887,10 +903,13 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // Tile rows: 16 ct + 8 h + g is W row nb + 16 ct + 8 h + g (nb = 16 CT blockIdx.x). The activation form (SM,
 // N = I): output column o = ob + 8 ct + g (ob = 8 CT blockIdx.x) has its gate row o in tile row 16 ct + g and
 // its up row I + o in tile row 16 ct + 8 + g, so a tile makes 8 CT output columns.
-template <int MT, int CT, bool EPI, bool SM>
+// XG: x read with generic loads (the fused in_proj forms: x in global memory, or staged in shared memory from st,
+// the deferred norm of one row: gv_stage_copy / gv_stage_norm after the wait, x then the staging buffer).
+template <int MT, int CT, bool EPI, bool SM, bool XG = false>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk, const GvEpi& epi, int bx) {
+                                      int N, int K, int kchunk, const GvEpi& epi, int bx,
+                                      const GvStage& st = GvStage{}) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
@@ -956,6 +975,10 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     // The warp's first steps of W are loaded before the wait (see PDL_TRIGGER above).
     GV_TC_LOAD_W(wa, warp)
     PDL_WAIT();
+    if (XG && st.src != nullptr) {
+        gv_stage_copy(st, const_cast<scalar_t*>(x), K);
+        gv_stage_norm(st, const_cast<scalar_t*>(x), K);
+    }
     // x of the U steps from st, then their mmas with the W steps in buf
 #define GV_TC_STEPS(buf, st)                                                                                      \
     {                                                                                                             \
@@ -964,8 +987,8 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             const int stp = (st) + u * nw;                                                                        \
             const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);                                           \
             _Pragma("unroll") for (int j = 0; j < MT; ++j) {                                                      \
-                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;                                   \
-                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;                              \
+                xb[u][j][0] = in0 && xin[j] ? gv_ld_xg<XG>(xp[j] + stp * 64) : zero;                              \
+                xb[u][j][1] = in1 && xin[j] ? gv_ld_xg<XG>(xp[j] + stp * 64 + 32) : zero;                         \
             }                                                                                                     \
         }                                                                                                         \
         _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int v = 0; v < 2; ++v)               \
@@ -1279,8 +1302,10 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps) {                                                                       \
+        int* ncnt, int* gcnt, float eps, const float* xnw, float xeps) {                                        \
         PDL_TRIGGER();                                                                                            \
+        (void)xnw; /* no staged input on CUDA cores: kernels/cuda.py norms x first there */                      \
+        (void)xeps;                                                                                               \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
@@ -1296,13 +1321,19 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps) {                                                                       \
+        int* ncnt, int* gcnt, float eps, const float* xnw, float xeps) {                                        \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
-        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, (int)(n0 / width));  \
+        extern __shared__ float gv_dyn[];                                                                        \
+        /* xnw given: x (one row) is the residual stream, normed into the shared memory after the product's */   \
+        scalar_t* stage = reinterpret_cast<scalar_t*>(gv_dyn + (blockDim.x >> 5) * 16 * GV_CT * 8 * GV_MT);     \
+        const bool staged = xnw != nullptr;                                                                       \
+        gv_tc<GV_MT, GV_CT, false, false, true>(staged ? stage : x, staged ? K : xs, w, wsr, out, nullptr, M, N, \
+                                                K, K, GvEpi{}, (int)(n0 / width),                                \
+                                                staged ? GvStage{x, xnw, xeps} : GvStage{});                     \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
