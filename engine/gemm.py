@@ -246,34 +246,6 @@ class GemvProducts:
             return ops.gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, weight, eps, variant)
         return self.add_rmsnorm(self.silu_mul(x, w_gate_up), w_down, residual, weight, eps)
 
-    def add_mlp_add_rmsnorm(
-        self,
-        x: torch.Tensor,
-        w: torch.Tensor,
-        residual: torch.Tensor,
-        x_weight: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        defer_out: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """mlp_add_rmsnorm(*add_rmsnorm(x, w, residual, x_weight, eps), ...): a projection joining the residual stream,
-        its norm, the MLP and the add + norm after it. Where the MLP is one resident launch (one row, mlp_choice
-        "res...") and the projection a gemv kernel, the norm is deferred (issue 20): the projection's launch stores
-        the residual stream only (ops.gemv_add: no counter and no one-block norm at its end, ~4 us on the H200 a
-        9B-like layer), and each block of the MLP norms it as it stages its input (x_weight), while its first
-        weight loads are in flight. defer_out (the next kernel norms its input itself: rule_stages): that MLP's own
-        norm is left to it the same way, (None, s) returned; only where the deferral above is taken."""
-        if x.dim() == 2 and x.shape[0] == 1 and self.takes(x, w):
-            choice, variant = self.choice(1, w), self.mlp_choice(residual, w_gate_up, w_down)
-            if choice != "cublas" and variant.startswith("res"):
-                s = ops.gemv_add(x, w, residual, choice)
-                out_weight = None if defer_out else weight
-                return ops.gemv_mlp_add_rmsnorm(s, w_gate_up, w_down, s, out_weight, eps, variant, x_weight)
-        h, s = self.add_rmsnorm(x, w, residual, x_weight, eps)
-        return self.mlp_add_rmsnorm(h, w_gate_up, w_down, s, weight, eps)
-
     def mlp_choice(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
         """The one-launch MLP's variant for these operands, or "cublas" (the launches it replaces): only for one
         row, not in mode "exact"; mode "cupy" _MLP_DEFAULT, mode "auto" measured (tune_mlp; a shape met later
@@ -320,46 +292,19 @@ class GemvProducts:
         return _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
 
     def conv_delta_rule_norm(
-        self,
-        x,
-        w,
-        conv_ring,
-        conv_weight,
-        key_heads,
-        neg_exp_a,
-        dt_bias,
-        state_ring,
-        start,
-        weight,
-        eps,
-        x_weight: torch.Tensor | None = None,
+        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
     ) -> torch.Tensor:
         """The delta-net's decode step from its input rows: in_proj_step(self(x, w), ...), one fused launch where
-        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step).
-        x_weight given: x is the residual stream, normed by it first (by the fused launch itself where it stages
-        its row: rule_stages)."""
+        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step)."""
         step = (conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps)
-        if self._rule_fused(x, w):
-            self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
-            return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT, x_weight=x_weight)
-        if x_weight is not None:
-            x = ops.rmsnorm(x, x_weight, eps)
         if self.takes(x, w):
             choice = self.choice(x.shape[0], w)
             if choice != "cublas":
+                if self.mode != "exact" and w.numel() * w.element_size() >= _RULE_MIN_BYTES:
+                    self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
+                    return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT)
                 return ops.in_proj_step(ops.gemv(x, w, choice), *step)
         return ops.in_proj_step(self(x, w), *step)
-
-    def _rule_fused(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether conv_delta_rule_norm makes the in_proj product and the step in one launch for x @ w^T."""
-        if not self.takes(x, w) or self.choice(x.shape[0], w) == "cublas":
-            return False
-        return self.mode != "exact" and w.numel() * w.element_size() >= _RULE_MIN_BYTES
-
-    def rule_stages(self, x: torch.Tensor, w: torch.Tensor, x_weight: torch.Tensor) -> bool:
-        """Whether conv_delta_rule_norm of the row x (the residual stream) given x_weight norms it inside its fused
-        launch: the norm before a delta-net layer can then be left to it (add_mlp_add_rmsnorm's defer_out)."""
-        return self._rule_fused(x, w) and ops.gemv_rule_stages(x, w, _RULE_VARIANT, x_weight)
 
     def prepare_rule(self, in_proj: list[torch.Tensor], key_dim: int) -> None:
         """Compile and load the fused in_proj + step kernels now (at load) where conv_delta_rule_norm will take them

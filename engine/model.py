@@ -81,12 +81,6 @@ class Model:
         # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
         # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
         self.fuse_mlp = True
-        # the norm after a layer's output projection left to its MLP where that is one resident launch of one row
-        # (GemvProducts.add_mlp_add_rmsnorm: the projection stores the residual stream only, each MLP block norms it
-        # as it stages it); off only to measure it (bench/decode_ab.py --defer-ab)
-        self.defer_norm = True
-        # ... and the norm after an MLP left to the fused delta-net step after it (Model._defers_into); measured apart
-        self.defer_into_rule = True
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -243,30 +237,6 @@ class Model:
             return self._gemv.mlp_add_rmsnorm(x, self.w[p + "mlp.gate_up_packed"], w_down, residual, norm_weight, eps)
         return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
 
-    def out_mlp(
-        self,
-        p: str,
-        a: torch.Tensor,
-        out_w: torch.Tensor,
-        residual: torch.Tensor,
-        post_norm: torch.Tensor,
-        next_norm: torch.Tensor,
-        eps: float,
-        defer_out: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The rest of layer prefix p after its mixer's output a: proj_add_norm(a, out_w, residual, post_norm), then
-        mlp_add_norm with the next norm -> (normed, new residual). On one GPU with the gemv kernels, where the MLP is
-        one resident launch of one row, the projection leaves its norm to the MLP (GemvProducts.add_mlp_add_rmsnorm:
-        no norm at the end of the projection's launch; the same rows within a rounding), and with defer_out (the
-        next layer norms its input itself: _defers_into) the MLP leaves its own: (None, new residual)."""
-        if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp and self.defer_norm:
-            gate_up, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
-            return self._gemv.add_mlp_add_rmsnorm(
-                a, out_w, residual, post_norm, gate_up, down, next_norm, eps, defer_out
-            )
-        h, residual = self.proj_add_norm(a, out_w, residual, post_norm, eps)
-        return self.mlp_add_norm(p, h, residual, next_norm, eps)
-
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to its down projection (which mlp_add_norm makes, through proj_add_norm where the MLP is not
         one launch). With a gemv kernel making the gate|up
@@ -303,27 +273,9 @@ class Model:
         # up to the output projection (which proj_add_norm makes)
         return ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate).reshape(t, -1)
 
-    def _defers_into(self, i: int, row: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether layer i (its input the rows like `row`, the residual stream) norms its input itself, so that the
-        layer before may leave that norm to it: a delta-net layer whose in_proj product and step are one launch
-        that stages one row (GemvProducts.rule_stages), on one GPU, with the deferral on."""
-        if self._gemv is None or self.group.active or not (self.fuse_rule and self.defer_norm and self.defer_into_rule):
-            return False
-        if self.cfg.layer_types[i] == "full_attention" or row.shape[0] != 1:
-            return False
-        return self._gemv.rule_stages(row, self.w[f"layers.{i}.linear_attn.in_proj_packed"], norm_weight)
-
     def _delta_net(
-        self,
-        i: int,
-        x: torch.Tensor,
-        state: SessionState,
-        start: int | torch.Tensor,
-        recurrent: bool,
-        x_weight: torch.Tensor | None = None,
+        self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
     ) -> torch.Tensor:
-        """Layer i's delta-net mixer up to its output projection. x_weight given: x is the residual stream, its
-        input rmsnorm(x, x_weight), made inside the fused step's launch where it stages its row."""
         cfg, w = self.cfg, self.w
         p = f"layers.{i}.linear_attn."
         t = x.shape[0]
@@ -337,10 +289,7 @@ class Model:
                 state.delta_planes[i], start, w[p + "norm.weight"], cfg.rms_norm_eps,
             )  # fmt: skip
             if self._gemv is not None and self.fuse_rule:  # with the product too, where a gemv kernel makes it
-                return self._gemv.conv_delta_rule_norm(x, w_in, *step, x_weight).reshape(t, hv * dv)
-        if x_weight is not None:
-            x = ops.rmsnorm(x, x_weight, cfg.rms_norm_eps)
-        if recurrent:
+                return self._gemv.conv_delta_rule_norm(x, w_in, *step).reshape(t, hv * dv)
             return ops.in_proj_step(self.linear(x, w_in), *step).reshape(t, hv * dv)
         qkv, z, b, a = self.linear(x, w_in).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
@@ -381,15 +330,13 @@ class Model:
             if kind == "full_attention":
                 a = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
                 out_w = w[p + "self_attn.o_proj.weight"]
-            else:  # h None: the input norm left to the layer (the residual stream and its weight)
-                x_weight = w[p + "input_layernorm.weight"] if h is None else None
-                a = self._delta_net(i, residual if h is None else h, state, start, recurrent, x_weight)
+            else:
+                a = self._delta_net(i, h, state, start, recurrent)
                 out_w = w[p + "linear_attn.out_proj.weight"]
+            h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            defer = i + 1 < n and recurrent and self._defers_into(i + 1, residual, next_norm)
-            post = w[p + "post_attention_layernorm.weight"]
-            h, residual = self.out_mlp(p, a, out_w, residual, post, next_norm, eps, defer)
+            h, residual = self.mlp_add_norm(p, h, residual, next_norm, eps)
         return h
 
     def pick(
@@ -576,8 +523,6 @@ class Model:
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
         tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
-        tag = tag if self.defer_norm else (*tag, "norm in the projection")
-        tag = tag if self.defer_into_rule else (*tag, "norm in the MLP")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property
@@ -639,11 +584,12 @@ class Model:
         for j in range(layers):
             p = f"mtp.layers.{j}."
             a = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
+            h, x = self.proj_add_norm(
+                a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], eps
+            )
             # x + MLP(h), then the next layer's input norm, or the final one: one add_rmsnorm
             nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
-            h, x = self.out_mlp(
-                p, a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], nxt, eps
-            )
+            h, x = self.mlp_add_norm(p, h, x, nxt, eps)
         return h
 
 

@@ -1150,20 +1150,12 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    x_weight: torch.Tensor | None = None,
-    x_eps: float | None = None,
 ) -> torch.Tensor:
     """One launch: the delta-net's packed in_proj product of `variant` and the step after it (the kernel's "_dr"
     form: the product stored as gemv stores it, then conv_delta_rule_norm's kernel code run by the blocks that
     finish each key head's columns last), so the result, both rings and the planes are bit for bit gemv(x, w,
     variant) then conv_delta_rule_norm. A variant that splits K, a block smaller than the rule's, a shape whose
-    tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops.
-    x_weight given (the deferred norm): x is the residual stream and the product's input rmsnorm(x, x_weight, x_eps;
-    None: eps); where gemv_rule_stages says so, each block norms one row as it stages it (gv_stage_norm, the bits
-    of a producer's norm with the same warps), otherwise rmsnorm first."""
-    x_eps = eps if x_eps is None else x_eps
-    if x_weight is not None and not gemv_rule_stages(x, w, variant, x_weight):
-        x, x_weight = rmsnorm(x, x_weight, x_eps), None
+    tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops."""
     gcnt = None
     if gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0]:
         m, n = x.shape[0], w.shape[0]
@@ -1177,8 +1169,6 @@ def gemv_conv_delta_rule_norm(
             cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
             gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
     if gcnt is None:  # the two ops
-        if x_weight is not None:
-            x = rmsnorm(x, x_weight, x_eps)
         return reference.in_proj_step(
             gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
             eps, conv_delta_rule_norm,
@@ -1193,29 +1183,9 @@ def gemv_conv_delta_rule_norm(
         cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
         ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
         qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps,
-        xnw=None if x_weight is None else _f32_norm_weight(x_weight), xeps=x_eps,
     )  # fmt: skip
-    if x_weight is not None:
-        smem += x.shape[1] * x.element_size()  # the staged row, after the product's reduction buffer
     _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y
-
-
-def gemv_rule_stages(x: torch.Tensor, w: torch.Tensor, variant: str | None, x_weight: torch.Tensor) -> bool:
-    """Whether gemv_conv_delta_rule_norm given x_weight norms x in its own launch (else it runs rmsnorm first): one
-    row of whole 16-byte vectors, the tensor-core form (its blocks stage x in shared memory), a norm weight per
-    column. x: the row as it will be passed (its shape, dtype, layout and device)."""
-    if not (gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0] and x.dim() == 2 and x.shape[0] == 1):
-        return False
-    name = _gemv_launch(x, w, variant)[0]
-    return (
-        name.startswith("gemv_tc_")
-        and x.stride(1) == 1
-        and x.shape[1] % (16 // x.element_size()) == 0
-        and x.data_ptr() % 16 == 0
-        and _cuda_ok(x_weight)
-        and x_weight.numel() == x.shape[1]
-    )
 
 
 def _gdr_norm_fits(v: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -1970,35 +1940,6 @@ def gemv_add_rmsnorm(
     return y, s
 
 
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
-    """gemv_add_rmsnorm's launch without its norm (issue 20, the deferred norm): the "_an" form given no y stores
-    only s = gemv(x, w) + residual (bit for bit gemv_add_rmsnorm's s), with no counter round trip and no norm at the
-    end of the launch; the kernel after it norms s as it stages it (gemv_mlp_add_rmsnorm's x_weight). Where the
-    fused form does not take the operands, the reference."""
-    m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
-    if (
-        not gemv_takes(x, w)
-        or not gemv_kernels(x.device, x.dtype)[0]
-        or not _cuda_ok(residual)
-        or residual.shape != (m, n)
-        or residual.dtype != x.dtype
-        or residual.stride(1) != 1
-    ):
-        return _fallback("gemv_add", x)(x, w, residual, variant)
-    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
-    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 2)  # a K split's tile counters (gemv_add_rmsnorm's)
-    if cnt is None:
-        return _fallback("gemv_add", x)(x, w, residual, variant)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    args = la.GemvAddNormArgs(
-        x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
-        vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=None, y=None, s=s, cnt=cnt, eps=0.0,
-    )  # fmt: skip
-    _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
-    return s
-
-
 def _add_norm_operands_ok(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, m: int, n: int) -> bool:
     """The fused add + norm forms' residual [m, n] (x's dtype, unit column stride) and norm weight [n], on the GPU."""
     return (
@@ -2164,10 +2105,9 @@ def gemv_mlp_add_rmsnorm(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor | None,
+    weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    x_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP of one row and the residual add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): the gate|up
     product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
@@ -2177,30 +2117,13 @@ def gemv_mlp_add_rmsnorm(
     variant's unsplit form, registry.gemv_mlp_launches, whatever the rows). A resident variant ("res{C}.wW.s1",
     gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making its share of the
     activation, then (after a counter says every block is done) its down tiles from the activation staged in its
-    shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin).
-    x_weight given (the deferred norm, after gemv_add): x is the residual stream s and the MLP's input rmsnorm(x,
-    x_weight, eps); a resident variant norms it in each block as it stages it (the bits of gemv_add_rmsnorm's norm
-    with its warps: the same y as gemv_add_rmsnorm with simt{C}.wW.s1 would make); otherwise rmsnorm first.
-    weight None (the norm after it deferred to the next kernel): (None, s), s as gemv_add makes it; the resident
-    form stores s only, any other form is gemv_silu_mul then gemv_add."""
+    shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)
         and gemv_kernels(x.device, x.dtype)[0]
-        and _add_norm_operands_ok(x, residual, residual[0] if weight is None else weight, 1, n)
+        and _add_norm_operands_ok(x, residual, weight, 1, n)
     )
-    if weight is None and fits and not registry.parse_gemv_variant(variant)[0].startswith("res"):
-        fits = False  # s only: the resident form's
-    if x_weight is not None and not (
-        fits
-        and registry.parse_gemv_variant(variant)[0].startswith("res")
-        and _cuda_ok(x_weight)
-        and x_weight.numel() == x.shape[1]
-        and x.shape[1] <= i  # staged in the activation's buffer
-        and x.stride(1) == 1
-        and x.shape[1] % (16 // x.element_size()) == 0
-    ):
-        x, x_weight = rmsnorm(x, x_weight, eps), None
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
     c = int(family[-1]) if fits else 0
     kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
@@ -2213,24 +2136,19 @@ def gemv_mlp_add_rmsnorm(
         grid = (_rmlp_grid(x, c, warps, i),)  # > 0: gemv_mlp_fits asked
     cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
     mkey = ("gemv_rmlp" if resident else "gemv_mlp", w_down.data_ptr(), variant)
-    mcnt = _counters(x.device, mkey, 2 if resident else 1 + splits) if cnt is not None else None
+    mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
     if mcnt is None:
-        if x_weight is not None:
-            x = rmsnorm(x, x_weight, eps)
         named = registry.parse_gemv_variant(variant) is not None
         gu, down = registry.gemv_mlp_launches(variant) if named else (None, variant)
-        if weight is None:
-            return None, gemv_add(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, down)
         return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, down)
     act = torch.empty((1, i), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
-    y = None if weight is None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     s = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    nw = None if weight is None else _f32_norm_weight(weight)
+    nw = _f32_norm_weight(weight)
     args = la.GemvMlpArgs(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
-        xnw=None if x_weight is None else _f32_norm_weight(x_weight),
     )  # fmt: skip
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
     coop = resident and pdl.available() and _RMLP_COOPERATIVE

@@ -26,7 +26,6 @@ spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
-gemv_add = reference.gemv_add
 gemv_silu_mul = reference.gemv_silu_mul
 gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
@@ -136,16 +135,6 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     from . import cuda
 
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
-
-
-def gemv_rule_stages(x, w, variant, x_weight) -> bool:
-    """Whether gemv_conv_delta_rule_norm given x_weight norms the row x in its own launch (with the CUDA kernels
-    bound), rather than rmsnorm first."""
-    if not _cuda_enabled:
-        return False
-    from . import cuda
-
-    return cuda.gemv_rule_stages(x, w, variant, x_weight)
 
 
 def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:

@@ -359,15 +359,10 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    x_weight: torch.Tensor | None = None,
-    x_eps: float | None = None,
 ) -> torch.Tensor:
     """The delta-net's decode step from its input rows x [T, K]: the packed in_proj product x @ w^T (gemv), then
     conv_delta_rule_norm of its columns (in_proj_step): y [T, Hv, dv]. One launch on a GPU where a gemv kernel
-    makes the product; `variant` names that kernel's launch and means nothing here. x_weight given (the deferred
-    norm): x is the residual stream and the product's input rmsnorm(x, x_weight, x_eps; None: eps)."""
-    if x_weight is not None:
-        x = rmsnorm(x, x_weight, eps if x_eps is None else x_eps)
+    makes the product; `variant` names that kernel's launch and means nothing here."""
     return in_proj_step(
         gemv(x, w), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
     )
@@ -466,12 +461,6 @@ def gemv_add_rmsnorm(
     return add_rmsnorm(gemv(x, w, variant), residual, weight, eps)
 
 
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
-    """A projection whose output joins the residual stream, without the norm after it (its consumer norms it:
-    gemv_mlp_add_rmsnorm's x_weight): gemv(x, w) + residual -> s, gemv_add_rmsnorm's s."""
-    return gemv(x, w, variant) + residual
-
-
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """The MLP's product and activation: silu_mul(gemv(x, w)) for the packed gate|up weight w [2 I, K] -> [M, I].
     The CUDA form makes both in one launch."""
@@ -483,20 +472,13 @@ def gemv_mlp_add_rmsnorm(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor | None,
+    weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    x_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP (packed gate|up [2 I, K], down [N, I]) and the residual add + norm after it: gemv_add_rmsnorm(
     gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps) -> (rmsnorm(s), s). `variant` names the down
-    product's launch; the CUDA form makes all of it in one launch for one row. x_weight given: x is the residual
-    stream before its norm (gemv_add's s), the MLP's input is rmsnorm(x, x_weight, eps) (the deferred norm).
-    weight None: the norm after it is left to the next kernel (gemv_add's s): (None, s)."""
-    if x_weight is not None:
-        x = rmsnorm(x, x_weight, eps)
-    if weight is None:
-        return None, gemv_add(gemv_silu_mul(x, w_gate_up), w_down, residual, variant)
+    product's launch; the CUDA form makes all of it in one launch for one row."""
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 

@@ -37,7 +37,6 @@ NAMES = (
     "synthetic_accept",
     "gemv",
     "gemv_add_rmsnorm",
-    "gemv_add",
     "gemv_silu_mul",
     "gemv_mlp_add_rmsnorm",
     "mtp_prefc",

@@ -288,7 +288,7 @@ def test_the_delta_step_takes_the_fused_launch_only_for_large_weights_and_says_s
     one-launch form with its tensor-core variant (and `labels` shows that variant beside the choice), a smaller
     weight or mode "exact" to the choice then the step, a cuBLAS choice to F.linear then the step."""
     fused, steps = [], []
-    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step, **kw: fused.append(step[-1]) or "one")
+    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step: fused.append(step[-1]) or "one")
     monkeypatch.setattr(ops, "in_proj_step", lambda prod, *step: steps.append(prod.shape) or "two")
     monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 128 * 32 * 4)
     step = (None,) * 9
@@ -440,68 +440,3 @@ def test_auto_measures_the_mlp_only_outside_a_capture(fake_mlp, tmp_path):
     assert p.mlp_choice(x, gu, down) == "simt2.w8.s4" and p.mlp_choices == {(48, 96): "simt2.w8.s4"}
     assert fake_mlp["measure"] == [("mlp", 1)]
     assert p.mlp_choice(torch.randn(2, 32), gu, down) == "cublas"  # more rows: the separate launches
-
-
-def test_the_norm_before_a_resident_mlp_of_one_row_is_left_to_it(fake, monkeypatch):
-    """add_mlp_add_rmsnorm (Model.out_mlp): where the MLP of one row is the resident launch and a gemv kernel makes
-    the projection before it, the projection stores only the residual stream (gemv_add, its variant) and the MLP
-    gets the norm's weight to norm it itself; for more rows, another MLP form, or cuBLAS making the projection, the
-    projection's fused norm then the MLP as before. The same numbers every way."""
-    calls = []
-    monkeypatch.setattr(ops, "gemv_mlp_fits", lambda x, gu, down, variant: x.shape[0] == 1)
-
-    def gemv_add(x, w, residual, variant=None):
-        calls.append(("add", variant))
-        return F.linear(x, w) + residual
-
-    def mlp(x, gu, down, r, nw, eps, variant=None, x_weight=None):
-        calls.append(("mlp", variant, x_weight is not None) + (("s only",) if nw is None else ()))
-        if x_weight is not None:
-            x = ops.rmsnorm(x, x_weight, eps)
-        if nw is None:
-            return None, F.linear(ops.silu_mul(F.linear(x, gu)), down) + r
-        return ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(x, gu)), down), r, nw, eps)
-
-    def add_rmsnorm(x, w, residual, weight, eps, variant=None):
-        calls.append(("add+norm", variant))
-        return ops.add_rmsnorm(F.linear(x, w), residual, weight, eps)
-
-    monkeypatch.setattr(ops, "gemv_add", gemv_add)
-    monkeypatch.setattr(ops, "gemv_mlp_add_rmsnorm", mlp)
-    monkeypatch.setattr(ops, "gemv_add_rmsnorm", add_rmsnorm)
-    g = torch.Generator().manual_seed(3)
-    w_out, gu, down = (
-        torch.randn(32, 40, generator=g),
-        torch.randn(192, 32, generator=g),
-        torch.randn(32, 96, generator=g),
-    )
-    post, nxt = torch.randn(32, generator=g) * 0.1, torch.randn(32, generator=g) * 0.1
-    p = products("cupy")
-    p.mlp_choices[(32, 96)] = "res2.w8.s1"
-
-    def run(rows):
-        a, r = torch.randn(rows, 40, generator=g), torch.randn(rows, 32, generator=g)
-        calls.clear()
-        got = p.add_mlp_add_rmsnorm(a, w_out, r, post, gu, down, nxt, 1e-6)
-        h, s = ops.add_rmsnorm(F.linear(a, w_out), r, post, 1e-6)
-        want = ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(h, gu)), down), s, nxt, 1e-6)
-        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(got, want, strict=True)), rows
-        return list(calls)
-
-    assert run(1) == [("add", "simt2.w4.s1"), ("mlp", "res2.w8.s1", True)]
-    # the next layer norms its input itself: the MLP's own norm left to it, (None, s)
-    a, r = torch.randn(1, 40, generator=g), torch.randn(1, 32, generator=g)
-    calls.clear()
-    none, s = p.add_mlp_add_rmsnorm(a, w_out, r, post, gu, down, nxt, 1e-6, defer_out=True)
-    assert none is None and calls == [("add", "simt2.w4.s1"), ("mlp", "res2.w8.s1", True, "s only")]
-    h, s1 = ops.add_rmsnorm(F.linear(a, w_out), r, post, 1e-6)
-    assert torch.allclose(s, F.linear(ops.silu_mul(F.linear(h, gu)), down) + s1, atol=1e-5)
-    assert ("add", "simt2.w4.s1") not in run(3) and ("add+norm", "simt2.w4.s1") in run(3)
-    p.mlp_choices[(32, 96)] = "simt2.w8.s4"  # a per-launch form: the projection norms, and so does the MLP
-    assert run(1) == [("add+norm", "simt2.w4.s1"), ("mlp", "simt2.w8.s4", False)]
-    calls.clear()
-    h, _ = p.add_mlp_add_rmsnorm(torch.randn(1, 40), w_out, torch.randn(1, 32), post, gu, down, nxt, 1e-6, True)
-    assert h is not None and calls == [("add+norm", "simt2.w4.s1"), ("mlp", "simt2.w8.s4", False)]
-    p.mlp_choices[(32, 96)] = "res2.w8.s1"
-    p.choices[(32, 40, 0)] = "cublas"  # cuBLAS makes the projection: add_rmsnorm after it, then the MLP
-    assert run(1) == [("mlp", "res2.w8.s1", False)]

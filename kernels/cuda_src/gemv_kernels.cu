@@ -162,21 +162,11 @@ __device__ __forceinline__ uint4 gv_ld_w(const void* p) {
     return r;
 }
 
-// A hint: the line of p into L2 (weights, or what no kernel in flight writes).
-__device__ __forceinline__ void gv_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // x is read by every block (it stays in L1/L2): a plain read-only load.
 __device__ __forceinline__ uint4 gv_ld_x(const void* p) {
     uint4 r;
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
-}
-
-// x read generically (XG: global or shared memory) or with gv_ld_x.
-template <bool XG>
-__device__ __forceinline__ uint4 gv_ld_xg(const scalar_t* p) {
-    if (XG) return *reinterpret_cast<const uint4*>(p);
-    return gv_ld_x(p);
 }
 
 __device__ __forceinline__ float gv_warp_sum(float v) {
@@ -293,44 +283,13 @@ __device__ __forceinline__ void gv_wait_count(const int* c, int target) {
     }
 }
 
-#define GV_NORM_KEEP 4  // 16-byte vectors of a row a thread keeps in registers between the norm's two passes
-// One row's norm by the whole block: yr = sr * rsqrt(mean(sr^2) + eps) * (1 + w), add_rmsnorm's arithmetic, the sum
-// of squares in a fixed order (each thread's vectors v = t, t + nt, ... in order, then gv_block_sum), so the same
-// bits wherever it runs with the same block size: in the producer's last block (gv_add_norm) or in each block of
-// the consumer as it stages its input (gv_stage_norm). sr read past L1 (other blocks stored it); yr global or shared
-// memory, 16-byte aligned; N % GV_VEC == 0. Every thread of the block calls it.
-__device__ __forceinline__ void gv_norm_row(const scalar_t* sr, scalar_t* yr, const float* __restrict__ nw, float eps,
-                                            int N) {
-    __shared__ float gv_nsh[GV_MAX_WARPS];
-    const int nt = blockDim.x, nv = N / GV_VEC;
-    uint4 keep[GV_NORM_KEEP];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < GV_NORM_KEEP; ++i) {
-        const int v = threadIdx.x + i * nt;
-        if (v < nv) keep[i] = gv_ld_cg(sr + (long long)v * GV_VEC);
-    }
-#pragma unroll
-    for (int i = 0; i < GV_NORM_KEEP; ++i)
-        if (threadIdx.x + i * nt < nv) ss += gv_sum_squares(keep[i]);
-    for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
-        ss += gv_sum_squares(gv_ld_cg(sr + (long long)v * GV_VEC));
-    const float rsq = rsqrtf(gv_block_sum(ss, gv_nsh) / (float)N + eps);
-#pragma unroll
-    for (int i = 0; i < GV_NORM_KEEP; ++i) {
-        const int v = threadIdx.x + i * nt;
-        if (v < nv) gv_norm_store(keep[i], rsq, nw, yr, v);
-    }
-    for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
-        gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, nw, yr, v);
-}
-
 // Called by every thread of every block once its split's partials of columns [nb, nb + cols) are stored.
-// Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks). y == nullptr: the deferred form (op
-// gemv_add): s only, no norm and no counter but a K split's; the consumer norms s as it stages it (gv_stage_norm).
+// Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks).
+#define GV_NORM_KEEP 4  // 16-byte vectors of a row a thread keeps in registers between the norm's two passes
 __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int S, int M, int N, long long nb,
                                             int cols, const GvEpi& e) {
     __shared__ int gv_flag;
+    __shared__ float gv_sh[GV_MAX_WARPS];
     const int tile = e.tile >= 0 ? e.tile : (int)blockIdx.x, ntiles = e.tile >= 0 ? e.ntiles : (int)gridDim.x;
     if (S > 1 && !gv_last_in(e.cnt + 1 + tile, S, &gv_flag)) return;  // the tile's last split goes on
     if (S == 1) __syncthreads();  // the block's own partials
@@ -343,7 +302,6 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         for (int j = 0; j < S; ++j) sum += __ldcg(part + ((long long)j * M + m) * N + n);
         e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + gv_f(e.r[m * e.rs + n])));
     }
-    if (e.y == nullptr) return;  // deferred: the consumer norms the rows
     // The rows' norms. One row: by the last tile to count in at the launch's counter (cnt[0]). Several rows (M
     // no more than the tiles): by the last M tiles to count in, a row each (the (ntiles - M + r)-th to arrive
     // norms row r), each waiting until every tile has counted in; before, one block normed every row in turn, M
@@ -375,8 +333,34 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
             if (e.ticket != nullptr) atomicSub(e.ticket, (int)gridDim.x);
         }
     }
-    // Every row of s is complete. The whole block a row (gv_norm_row: a fixed order whatever M is).
-    for (int m = m_lo; m < m_hi; ++m) gv_norm_row(e.s + (long long)m * N, e.y + (long long)m * N, e.nw, e.eps, N);
+    // Every row of s is complete. The whole block a row: its sum of squares (each thread's vectors in order, then
+    // gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w), add_rmsnorm's
+    // arithmetic.
+    const int nt = blockDim.x, nv = N / GV_VEC;
+    for (int m = m_lo; m < m_hi; ++m) {
+        const scalar_t* sr = e.s + (long long)m * N;
+        scalar_t* yr = e.y + (long long)m * N;
+        uint4 keep[GV_NORM_KEEP];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i) {
+            const int v = threadIdx.x + i * nt;
+            if (v < nv) keep[i] = gv_ld_cg(sr + (long long)v * GV_VEC);
+        }
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i)
+            if (threadIdx.x + i * nt < nv) ss += gv_sum_squares(keep[i]);
+        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+            ss += gv_sum_squares(gv_ld_cg(sr + (long long)v * GV_VEC));
+        const float rsq = rsqrtf(gv_block_sum(ss, gv_sh) / (float)N + e.eps);
+#pragma unroll
+        for (int i = 0; i < GV_NORM_KEEP; ++i) {
+            const int v = threadIdx.x + i * nt;
+            if (v < nv) gv_norm_store(keep[i], rsq, e.nw, yr, v);
+        }
+        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+            gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, e.nw, yr, v);
+    }
     if (spread && threadIdx.x == 0) {
         int old;
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(e.cnt + 1 + ntiles) : "memory");
@@ -396,51 +380,6 @@ __device__ __forceinline__ void gv_store(scalar_t* __restrict__ out, float* __re
         part[((long long)s * M + m) * N + n] = v;
     else
         out[(long long)m * N + n] = gv_out(v);
-}
-
-// The deferred norm (issue 20): a projection + add + norm whose consumer is a kernel that stages its input can leave
-// the norm to it (op gemv_add: s only, no counter round trip and no one-block norm at the end of its launch). Each
-// block of the consumer norms the row itself as it stages it, after its PDL wait, while its first weight loads are in
-// flight: src the residual stream s [1, K] (stored by the previous kernel), nw the norm's weight (fp32), eps.
-// src == nullptr: nothing to stage.
-struct GvStage {
-    const scalar_t* src = nullptr;
-    const float* nw = nullptr;
-    float eps = 0.f;
-};
-
-// Staging, first half: st.src's row copied into x (shared memory, K elements) asynchronously past L1 (cp.async), each
-// thread the vectors gv_norm_row gives it, so that the loads go out before whatever the block issues next.
-__device__ __forceinline__ void gv_stage_copy(const GvStage& st, scalar_t* x, int K) {
-    for (int v = threadIdx.x; v < K / GV_VEC; v += blockDim.x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-        const unsigned int sa = (unsigned int)__cvta_generic_to_shared(x + (long long)v * GV_VEC);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(st.src + (long long)v * GV_VEC)
-                     : "memory");
-#else
-        *reinterpret_cast<uint4*>(x + (long long)v * GV_VEC) = gv_ld_cg(st.src + (long long)v * GV_VEC);
-#endif
-    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Second half: rmsnorm of the staged row in place by the whole block, gv_norm_row's arithmetic in its order (each
-// thread its own copied vectors v = t, t + nt, ..., then gv_block_sum: the bits of the producer's norm with the
-// same block size), then a barrier: x is complete.
-__device__ __forceinline__ void gv_stage_norm(const GvStage& st, scalar_t* x, int K) {
-    __shared__ float gv_ssh[GV_MAX_WARPS];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's copies (the only vectors it reads)
-#endif
-    const int nt = blockDim.x, nv = K / GV_VEC;
-    float ss = 0.f;
-    for (int v = threadIdx.x; v < nv; v += nt) ss += gv_sum_squares(*reinterpret_cast<const uint4*>(x + (long long)v * GV_VEC));
-    const float rsq = rsqrtf(gv_block_sum(ss, gv_ssh) / (float)K + st.eps);
-    for (int v = threadIdx.x; v < nv; v += nt)
-        gv_norm_store(*reinterpret_cast<const uint4*>(x + (long long)v * GV_VEC), rsq, st.nw, x, v);
-    __syncthreads();
 }
 
 // ---- CUDA-core kernel ----------------------------------------------------------------------------------
@@ -525,16 +464,13 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
 
 // The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N. split: the K split
 // (blockIdx.y where negative). wait_at: after the PDL wait, lane 0 also waits until *wait_at >= wait_for (the MLP form:
-// the activation's K range of this split stored by the launch's other blocks), x then read past L1 (XM 1).
+// the activation's K range of this split stored by the launch's other blocks), x then read with CGX loads.
 // UL: 16-byte W loads in flight per lane (U * C; the order of k per lane is the same whatever it is).
-// XM: where x is read from (gv_ld_xm). st: x's one row to stage first (gv_stage_norm, after the waits; x is then
-// the shared memory it is staged in, XM 2); every warp of the block must come here with it.
-template <int MB, int C, bool SM, int XM = 0, int UL = 4>
+template <int MB, int C, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
-                                             long long n0, int split, const int* wait_at, int wait_for,
-                                             const GvStage& st) {
+                                             long long n0, int split, const int* wait_at, int wait_for) {
     constexpr int U = UL / C;  // 16-byte W loads in flight per lane: U * C = UL
     const int lane = threadIdx.x & 31;
     const int s = split >= 0 ? split : (int)blockIdx.y;
@@ -566,26 +502,18 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
             if (lane == 0) gv_wait_count(wait_at, wait_for);
             __syncwarp();
         }
-        if (st.src != nullptr) {
-            gv_stage_copy(st, const_cast<scalar_t*>(x), K);  // in flight first: the norm waits on these alone
-            // the rest of the tile's rows asked of L2 meanwhile: HBM stays busy while the block stages x
-            for (int u = v + U * 32; u < v1; u += 32)
-#pragma unroll
-                for (int c = 0; c < C; ++c) gv_prefetch_l2(wr[c] + (long long)u * GV_VEC);
-            gv_stage_norm(st, const_cast<scalar_t*>(x), K);
-        }
         if (pre) {
-            gv_simt_batch<MB, C, U, XM>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
             v += U * 32;
         }
         for (; v + (U - 1) * 32 < v1; v += U * 32) {
             gv_ld_w_batch<U, C>(wv, wr, v);
-            gv_simt_batch<MB, C, U, XM>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
         }
         for (; v < v1; v += 32) {
             uint4 w1[1][C];
             gv_ld_w_batch<1, C>(w1, wr, v);
-            gv_simt_batch<MB, C, 1, XM>(acc, w1, x, xs, M, v);
+            gv_simt_batch<MB, C, 1, CGX>(acc, w1, x, xs, M, v);
         }
     } else {
         PDL_WAIT();  // (the MLP form needs vec_ok: kernels/cuda.py checks)
@@ -628,18 +556,17 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 // (one output column a warp).
 // bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
 // split, S, wait_at, wait_for: the MLP form's (see gv_simt_cols; split < 0: blockIdx.y of gridDim.y splits).
-template <int MB, int C, bool EPI, bool SM, int XM = 0, int UL = 4>
+template <int MB, int C, bool EPI, bool SM, bool CGX = false, int UL = 4>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                         int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx,
-                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0,
-                                        const GvStage& st = GvStage{}) {
+                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0) {
     const int nw = blockDim.x >> 5;
     constexpr int OC = SM ? 1 : C;  // output columns a warp
     const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
-        gv_simt_cols<MB, C, SM, XM, UL>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
-                                        wait_for, st);
+        gv_simt_cols<MB, C, SM, CGX, UL>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
+                                         wait_for);
     else
         PDL_WAIT();
     if (EPI) gv_add_norm(part, split >= 0 ? S : (int)gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
@@ -707,13 +634,11 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
         int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
         const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
-        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps,                       \
-        const float* __restrict__ xnw) {                                                                          \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
         __shared__ int s_ticket;                                                                                  \
         if (threadIdx.x == 0) s_ticket = atomicAdd(mcnt, 1) % (int)gridDim.x;                                     \
         __syncthreads();                                                                                          \
         PDL_TRIGGER();                                                                                            \
-        (void)xnw; /* no staged input: kernels/cuda.py gives the deferred norm to the resident form only */      \
         const int t = s_ticket, warps = blockDim.x >> 5, ngu = I / warps;                                        \
         if (t < ngu) {                                                                                            \
             gv_simt<1, 2, false, true>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);                   \
@@ -733,7 +658,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         e.zero = mcnt + 1;                                                                                        \
         e.nzero = S;                                                                                              \
         e.ticket = mcnt;                                                                                          \
-        gv_simt<1, GV_C, true, false, 1>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,  \
+        gv_simt<1, GV_C, true, false, true>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,  \
                                             mcnt + 1 + sp, (hi - 1) / warps - lo / warps + 1);                    \
     }
 
@@ -746,15 +671,11 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 //     has counted in (acquire), stages the whole activation in shared memory (read past L1, once a block instead of
 //     once a warp), then makes the tile (gemv_simt_m1_c{C}'s code, its vectors in the same order, so the same sums)
 //     and gv_add_norm's add + norm (the _an form's code and counters cnt, no split).
-// The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). xnw given (the
-// deferred norm): x is the residual stream s, which each block norms (gv_stage_norm, weight xnw, eps) into its shared
-// memory before its first activation tile reads it: the bits of gemv_add_rmsnorm's norm with W warps. y == nullptr
-// (the norm after it deferred to the next kernel): s only. mcnt has two counters: the arrivals after the activation
-// (mcnt[0]) and the blocks past their wait (mcnt[1]); the last of those leaves both at zero (no block reads them
-// again in this launch), the launch's last norm leaves cnt at zero. A block waits only
+// The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). The launch's last
+// tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
 // while every block is resident (the grid is sized so), so the wait always ends (no
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
-// warps and of GV_VEC, N of warps * C, and I elements of shared memory (with xnw, K <= I: kernels/cuda.py checks).
+// warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
 #define GV_RMLP_LOADS 8  // 16-byte W loads in flight per lane (fewer, fatter blocks than the per-launch forms')
 template <int C>
 __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg,
@@ -762,22 +683,12 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
                                                 const scalar_t* __restrict__ wd, long long wds,
                                                 float* __restrict__ part, int N, const scalar_t* __restrict__ r,
                                                 const float* __restrict__ nw, scalar_t* __restrict__ y,
-                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps,
-                                                const float* __restrict__ xnw) {
+                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps) {
     extern __shared__ uint4 gv_act4[];
     constexpr int U = GV_RMLP_LOADS / C;  // twice gv_simt_cols's loads in flight (the same order of k per lane)
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ngu = I / warps, ntiles = N / (warps * C);
-    if (xnw == nullptr) {
-        for (int t = blockIdx.x; t < ngu; t += gridDim.x)
-            gv_simt<1, 2, false, true, 0, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
-    } else {  // x is the residual stream: its norm staged in the activation's buffer (K <= I) by the first tile
-        for (int k = threadIdx.x * 32; k < K; k += blockDim.x * 32) gv_prefetch_l2(xnw + k);  // the norm's weight
-        scalar_t* xn = reinterpret_cast<scalar_t*>(gv_act4);
-        for (int t = blockIdx.x; t < ngu; t += gridDim.x)
-            gv_simt<1, 2, false, true, 2, GV_RMLP_LOADS>(xn, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t, -1,
-                                                         0, nullptr, 0,
-                                                         t == (int)blockIdx.x ? GvStage{x, xnw, eps} : GvStage{});
-    }
+    for (int t = blockIdx.x; t < ngu; t += gridDim.x)
+        gv_simt<1, 2, false, true, false, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
     PDL_WAIT();  // (a block without an activation tile has not waited yet)
     __syncthreads();  // the block's columns are stored
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt) : "memory");
@@ -797,16 +708,7 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);  // in flight during the wait and the staging
         if (!staged) {
-            if (threadIdx.x == 0) {
-                gv_wait_count(mcnt, (int)gridDim.x);
-                // counted past the wait at mcnt[1]: the last of the blocks with a down tile (every one waits once)
-                // leaves both counters at zero for the next launch, here and not in the launch's tail
-                const int passers = ntiles < (int)gridDim.x ? ntiles : (int)gridDim.x;
-                if (atomicAdd(mcnt + 1, 1) == passers - 1) {
-                    mcnt[1] = 0;
-                    mcnt[0] = 0;
-                }
-            }
+            if (threadIdx.x == 0) gv_wait_count(mcnt, (int)gridDim.x);
             __syncthreads();
             for (int i = threadIdx.x; i < v1; i += blockDim.x) gv_act4[i] = gv_ld_cg(act + (long long)i * GV_VEC);
             __syncthreads();
@@ -833,7 +735,9 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         GvEpi e{r, N, nw, y, s, cnt, eps};
         e.tile = tile;
         e.ntiles = ntiles;
-        gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);  // y == nullptr: s only
+        e.zero = mcnt;
+        e.nzero = 1;
+        gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);
     }
 }
 #define GEMV_SIMT_RMLP(GV_C)                                                                                      \
@@ -841,10 +745,9 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
         int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
         const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
-        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps,                       \
-        const float* __restrict__ xnw) {                                                                          \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
         PDL_TRIGGER();                                                                                            \
-        gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps, xnw);         \
+        gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps);              \
     }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
@@ -903,13 +806,10 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // Tile rows: 16 ct + 8 h + g is W row nb + 16 ct + 8 h + g (nb = 16 CT blockIdx.x). The activation form (SM,
 // N = I): output column o = ob + 8 ct + g (ob = 8 CT blockIdx.x) has its gate row o in tile row 16 ct + g and
 // its up row I + o in tile row 16 ct + 8 + g, so a tile makes 8 CT output columns.
-// XG: x read with generic loads (the fused in_proj forms: x in global memory, or staged in shared memory from st,
-// the deferred norm of one row: gv_stage_copy / gv_stage_norm after the wait, x then the staging buffer).
-template <int MT, int CT, bool EPI, bool SM, bool XG = false>
+template <int MT, int CT, bool EPI, bool SM>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk, const GvEpi& epi, int bx,
-                                      const GvStage& st = GvStage{}) {
+                                      int N, int K, int kchunk, const GvEpi& epi, int bx) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
@@ -975,10 +875,6 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     // The warp's first steps of W are loaded before the wait (see PDL_TRIGGER above).
     GV_TC_LOAD_W(wa, warp)
     PDL_WAIT();
-    if (XG && st.src != nullptr) {
-        gv_stage_copy(st, const_cast<scalar_t*>(x), K);
-        gv_stage_norm(st, const_cast<scalar_t*>(x), K);
-    }
     // x of the U steps from st, then their mmas with the W steps in buf
 #define GV_TC_STEPS(buf, st)                                                                                      \
     {                                                                                                             \
@@ -987,8 +883,8 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             const int stp = (st) + u * nw;                                                                        \
             const bool in0 = GV_TC_IN(stp, 0), in1 = GV_TC_IN(stp, 32);                                           \
             _Pragma("unroll") for (int j = 0; j < MT; ++j) {                                                      \
-                xb[u][j][0] = in0 && xin[j] ? gv_ld_xg<XG>(xp[j] + stp * 64) : zero;                              \
-                xb[u][j][1] = in1 && xin[j] ? gv_ld_xg<XG>(xp[j] + stp * 64 + 32) : zero;                         \
+                xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;                                   \
+                xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;                              \
             }                                                                                                     \
         }                                                                                                         \
         _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int v = 0; v < 2; ++v)               \
@@ -1302,10 +1198,8 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, const float* xnw, float xeps) {                                        \
+        int* ncnt, int* gcnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
-        (void)xnw; /* no staged input on CUDA cores: kernels/cuda.py norms x first there */                      \
-        (void)xeps;                                                                                               \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
@@ -1321,19 +1215,13 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, const float* xnw, float xeps) {                                        \
+        int* ncnt, int* gcnt, float eps) {                                                                       \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
-        extern __shared__ float gv_dyn[];                                                                        \
-        /* xnw given: x (one row) is the residual stream, normed into the shared memory after the product's */   \
-        scalar_t* stage = reinterpret_cast<scalar_t*>(gv_dyn + (blockDim.x >> 5) * 16 * GV_CT * 8 * GV_MT);     \
-        const bool staged = xnw != nullptr;                                                                       \
-        gv_tc<GV_MT, GV_CT, false, false, true>(staged ? stage : x, staged ? K : xs, w, wsr, out, nullptr, M, N, \
-                                                K, K, GvEpi{}, (int)(n0 / width),                                \
-                                                staged ? GvStage{x, xnw, xeps} : GvStage{});                     \
+        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, (int)(n0 / width));  \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
