@@ -5,7 +5,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
 
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
-                              [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4]
+                              [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -25,6 +25,8 @@ MLP of one row as auto chose, in its separate launches, in one launch with the f
 timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
 --rmlp-coop-ab: 9B-like target-only with the resident MLP launched cooperatively and as a plain PDL launch,
 interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
+--defer-ab: 9B-like target-only with the norm after each output projection left to the resident MLP (Model.defer_norm,
+the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def main() -> int:
         action="store_true",
         help="9B-like target-only with the resident MLP launched cooperatively and as a PDL launch, interleaved",
     )
+    ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
         "--exact",
@@ -179,6 +182,8 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
             print(f"9B-like MLP timing (us per call): {g._measure_mlp(eng.model._mlp_pairs())}")
     if a.rmlp_coop_ab:
         rmlp_coop_ab(eng, a, target)
+    if a.defer_ab:
+        defer_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -378,6 +383,27 @@ def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> 
     once every block fits) and as a plain PDL launch (its blocks scheduled as the projection's leave), interleaved."""
     tag = {True: "cooperative", False: "PDL, not cooperative"}
     resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag.get)
+
+
+def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """Target-only decode with the norm after each layer's output projection deferred to the resident MLP and in the
+    projection's launch (Model.defer_norm), interleaved, each run a new session (its plans captured with the
+    setting), with the launches a token takes; the tokens of every run against the first's."""
+    m, first = eng.model, None
+    print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in m._gemv.mlp_choices.items()))
+    try:
+        for j, defer in enumerate((True, False) * 3):
+            m.defer_norm = defer
+            tag = "norm deferred to the MLP" if defer else "norm in the projection"
+            tps, tokens = median_tps(eng, target, a.n, a.reps)
+            first = tokens if first is None else first
+            print(
+                f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})"
+            )
+            if j < 2:
+                print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
+    finally:
+        m.defer_norm = True
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:

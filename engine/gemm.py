@@ -246,6 +246,32 @@ class GemvProducts:
             return ops.gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, weight, eps, variant)
         return self.add_rmsnorm(self.silu_mul(x, w_gate_up), w_down, residual, weight, eps)
 
+    def add_mlp_add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        residual: torch.Tensor,
+        x_weight: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        folded: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mlp_add_rmsnorm(*add_rmsnorm(x, w, residual, x_weight, eps), ...): a projection joining the residual stream,
+        its norm, the MLP and the add + norm after it. folded: x_weight is zero, its values folded into w_gate_up
+        (Model.fold_norms). Then, where the MLP is one resident launch (one row, mlp_choice "res...") and the
+        projection a gemv kernel, the norm is deferred (issue 20): the projection's launch stores the residual
+        stream only (ops.gemv_add: no counter and no one-block norm at its end, ~4 us on the H200 a 9B-like layer),
+        and the MLP's warps scale their sums by the norm after their FMAs (gemv_mlp_add_rmsnorm's x_norm)."""
+        if folded and x.dim() == 2 and x.shape[0] == 1 and self.takes(x, w):
+            choice, variant = self.choice(1, w), self.mlp_choice(residual, w_gate_up, w_down)
+            if choice != "cublas" and variant.startswith("res"):
+                s = ops.gemv_add(x, w, residual, choice)
+                return ops.gemv_mlp_add_rmsnorm(s, w_gate_up, w_down, s, weight, eps, variant, x_norm=True)
+        h, s = self.add_rmsnorm(x, w, residual, x_weight, eps)
+        return self.mlp_add_rmsnorm(h, w_gate_up, w_down, s, weight, eps)
+
     def mlp_choice(self, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> str:
         """The one-launch MLP's variant for these operands, or "cublas" (the launches it replaces): only for one
         row, not in mode "exact"; mode "cupy" _MLP_DEFAULT, mode "auto" measured (tune_mlp; a shape met later

@@ -81,6 +81,13 @@ class Model:
         # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
         # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
         self.fuse_mlp = True
+        # the norm after a layer's output projection left to its MLP where that is one resident launch of one row
+        # and the norm's weight is folded into it (fold_norms; GemvProducts.add_mlp_add_rmsnorm: the projection
+        # stores the residual stream only, the MLP's warps scale by the norm after their FMAs); off only to measure
+        # it (bench/decode_ab.py --defer-ab)
+        self.defer_norm = True
+        # the layer prefixes whose post-attention norm weight is folded into their MLP's gate|up (fold_norms)
+        self._folded: set[str] = set()
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -153,6 +160,7 @@ class Model:
             self._gemv.tune(self.product_weights(), activation=gate_up, norm=norm)
             if fused:
                 self._gemv.tune_mlp(self._mlp_pairs())
+                self.fold_norms()
             in_proj = [t for name, t in self.w.items() if name.endswith("in_proj_packed")]
             self._gemv.prepare_rule(in_proj, self.cfg.linear_key_head_dim)
 
@@ -219,6 +227,32 @@ class Model:
             return self._gemv.add_rmsnorm(x, weight, residual, norm_weight, eps)
         return ops.add_rmsnorm(self.row_parallel(x, weight), residual, norm_weight, eps)
 
+    def fold_norms(self) -> None:
+        """The deferred norm's weights (issue 20): where the MLP of one row is the resident launch, the weight of the
+        norm before it (post_attention_layernorm, zero-centred: y = s rsq (1 + w)) is folded into its gate|up (each
+        column k times 1 + w[k], in fp32, rounded to the dtype once) and zeroed, so that norm is a scale alone, which
+        the MLP's warps apply after their FMAs (GemvProducts.add_mlp_add_rmsnorm). The same function within a rounding
+        of the weight, on every path (the others norm with the zero weight, then the folded product). Once a layer;
+        one GPU only."""
+        if self._gemv is None or self.group.active or self._gemv.mode == "exact":
+            return
+        ends = "mlp.gate_up_packed"
+        for name, gate_up in self.w.items():
+            p = name[: -len(ends)]
+            if not name.endswith(ends) or p in self._folded:
+                continue
+            down = self.w[p + "mlp.down_proj.weight"]
+            row = torch.empty((1, gate_up.shape[1]), dtype=self.dtype, device=self.device)
+            if not self._gemv.mlp_choice(row, gate_up, down).startswith("res"):
+                continue
+            post = self.w[p + "post_attention_layernorm.weight"]
+            scale = 1.0 + post.float()
+            for lo in range(0, gate_up.shape[0], 4096):  # fp32 a slice at a time
+                part = gate_up[lo : lo + 4096]
+                part.copy_((part.float() * scale[None, :]).to(part.dtype))
+            post.zero_()
+            self._folded.add(p)
+
     def _mlp_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(packed gate|up, down) of every MLP of the model (its layers', the MTP head's)."""
         w = self.w
@@ -236,6 +270,27 @@ class Model:
         if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp:
             return self._gemv.mlp_add_rmsnorm(x, self.w[p + "mlp.gate_up_packed"], w_down, residual, norm_weight, eps)
         return self.proj_add_norm(self._mlp(p, x), w_down, residual, norm_weight, eps)
+
+    def out_mlp(
+        self,
+        p: str,
+        a: torch.Tensor,
+        out_w: torch.Tensor,
+        residual: torch.Tensor,
+        post_norm: torch.Tensor,
+        next_norm: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of layer prefix p after its mixer's output a: proj_add_norm(a, out_w, residual, post_norm), then
+        mlp_add_norm with the next norm -> (normed, new residual). On one GPU with the gemv kernels, where the MLP is
+        one resident launch of one row, the projection leaves its norm to the MLP (GemvProducts.add_mlp_add_rmsnorm:
+        no norm at the end of the projection's launch; the same rows within a rounding)."""
+        if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp and self.defer_norm:
+            gate_up, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
+            folded = p in self._folded
+            return self._gemv.add_mlp_add_rmsnorm(a, out_w, residual, post_norm, gate_up, down, next_norm, eps, folded)
+        h, residual = self.proj_add_norm(a, out_w, residual, post_norm, eps)
+        return self.mlp_add_norm(p, h, residual, next_norm, eps)
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """The MLP up to its down projection (which mlp_add_norm makes, through proj_add_norm where the MLP is not
@@ -333,10 +388,9 @@ class Model:
             else:
                 a = self._delta_net(i, h, state, start, recurrent)
                 out_w = w[p + "linear_attn.out_proj.weight"]
-            h, residual = self.proj_add_norm(a, out_w, residual, w[p + "post_attention_layernorm.weight"], eps)
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = self.mlp_add_norm(p, h, residual, next_norm, eps)
+            h, residual = self.out_mlp(p, a, out_w, residual, w[p + "post_attention_layernorm.weight"], next_norm, eps)
         return h
 
     def pick(
@@ -523,6 +577,7 @@ class Model:
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
         tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
+        tag = tag if self.defer_norm else (*tag, "norm in the projection")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property
@@ -584,12 +639,11 @@ class Model:
         for j in range(layers):
             p = f"mtp.layers.{j}."
             a = self._attention(p, h, start, state.mtp_k_cache[j], state.mtp_v_cache[j])
-            h, x = self.proj_add_norm(
-                a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], eps
-            )
             # x + MLP(h), then the next layer's input norm, or the final one: one add_rmsnorm
             nxt = w[f"mtp.layers.{j + 1}.input_layernorm.weight"] if j + 1 < layers else w["mtp.norm.weight"]
-            h, x = self.mlp_add_norm(p, h, x, nxt, eps)
+            h, x = self.out_mlp(
+                p, a, w[p + "self_attn.o_proj.weight"], x, w[p + "post_attention_layernorm.weight"], nxt, eps
+            )
         return h
 
 

@@ -1940,6 +1940,35 @@ def gemv_add_rmsnorm(
     return y, s
 
 
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """gemv_add_rmsnorm's launch without its norm (issue 20, the deferred norm): the "_an" form given no y stores
+    only s = gemv(x, w) + residual (bit for bit gemv_add_rmsnorm's s), with no counter round trip and no norm at the
+    end of the launch; the kernel after it scales by the norm itself (gemv_mlp_add_rmsnorm's x_norm). Where the
+    fused form does not take the operands, the reference."""
+    m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
+    if (
+        not gemv_takes(x, w)
+        or not gemv_kernels(x.device, x.dtype)[0]
+        or not _cuda_ok(residual)
+        or residual.shape != (m, n)
+        or residual.dtype != x.dtype
+        or residual.stride(1) != 1
+    ):
+        return _fallback("gemv_add", x)(x, w, residual, variant)
+    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
+    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 2)  # a K split's tile counters (gemv_add_rmsnorm's)
+    if cnt is None:
+        return _fallback("gemv_add", x)(x, w, residual, variant)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    args = la.GemvAddNormArgs(
+        x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
+        vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=None, y=None, s=s, cnt=cnt, eps=0.0,
+    )  # fmt: skip
+    _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
+    return s
+
+
 def _add_norm_operands_ok(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, m: int, n: int) -> bool:
     """The fused add + norm forms' residual [m, n] (x's dtype, unit column stride) and norm weight [n], on the GPU."""
     return (
@@ -2090,6 +2119,11 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     )
 
 
+def _unit_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(x) with no weight (the zero-centred norm's weight zero): a folded norm made before its product."""
+    return rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
+
+
 def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
     """Blocks of the resident MLP's launch for an activation of i elements of x's dtype (staged in shared memory): 0
     where the gemv module is not loaded or the driver says none fits."""
@@ -2108,6 +2142,7 @@ def gemv_mlp_add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
+    x_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP of one row and the residual add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): the gate|up
     product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
@@ -2117,13 +2152,20 @@ def gemv_mlp_add_rmsnorm(
     variant's unsplit form, registry.gemv_mlp_launches, whatever the rows). A resident variant ("res{C}.wW.s1",
     gemv_simt_m1_c{C}_rmlp) launches only the blocks that are resident together, each making its share of the
     activation, then (after a counter says every block is done) its down tiles from the activation staged in its
-    shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin)."""
+    shared memory: the bits of the two ops with simt{C}.wW.s1 (registry.gemv_twin).
+    x_norm (the deferred norm, after gemv_add): x is the residual stream s, the norm before the MLP has its weight
+    folded into w_gate_up (Model.fold_norms: W (1 + w) columnwise), so the MLP's input is rmsnorm(x) with no weight; a
+    resident variant's activation warps sum x's squares as they read it and scale their two sums by rsqrt(mean(x^2) +
+    eps) after their FMAs (within a rounding of the norm then the product: the normed row is not rounded to the
+    dtype between them); any other form norms first."""
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)
         and gemv_kernels(x.device, x.dtype)[0]
         and _add_norm_operands_ok(x, residual, weight, 1, n)
     )
+    if x_norm and not (fits and registry.parse_gemv_variant(variant)[0].startswith("res")):
+        x, x_norm = _unit_rmsnorm(x, eps), False
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
     c = int(family[-1]) if fits else 0
     kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
@@ -2138,6 +2180,8 @@ def gemv_mlp_add_rmsnorm(
     mkey = ("gemv_rmlp" if resident else "gemv_mlp", w_down.data_ptr(), variant)
     mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
     if mcnt is None:
+        if x_norm:
+            x = _unit_rmsnorm(x, eps)
         named = registry.parse_gemv_variant(variant) is not None
         gu, down = registry.gemv_mlp_launches(variant) if named else (None, variant)
         return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, down)
@@ -2149,6 +2193,7 @@ def gemv_mlp_add_rmsnorm(
     args = la.GemvMlpArgs(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
+        xnorm=int(x_norm),
     )  # fmt: skip
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
     coop = resident and pdl.available() and _RMLP_COOPERATIVE

@@ -279,7 +279,7 @@ GemvMlpArgs = builder(
     "GemvMlpArgs",
     (
         "ptr x, ptr wg, i64 wgs, ptr act, i32 I, i32 K, ptr wd, i64 wds, ptr part, i32 N, i32 kchunk, i32 S, "
-        "ptr r, ptr nw, ptr y, ptr s, ptr cnt, ptr mcnt, f32 eps"
+        "ptr r, ptr nw, ptr y, ptr s, ptr cnt, ptr mcnt, f32 eps, i32 xnorm"
     ),
     "gemv_simt_m1_c1_mlp",
     "gemv_simt_m1_c2_mlp",

@@ -26,6 +26,7 @@ spec_accept = reference.spec_accept
 synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
+gemv_add = reference.gemv_add
 gemv_silu_mul = reference.gemv_silu_mul
 gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
 mtp_prefc = reference.mtp_prefc

@@ -461,6 +461,12 @@ def gemv_add_rmsnorm(
     return add_rmsnorm(gemv(x, w, variant), residual, weight, eps)
 
 
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """A projection whose output joins the residual stream, without the norm after it (its consumer norms it:
+    gemv_mlp_add_rmsnorm's x_norm): gemv(x, w) + residual -> s, gemv_add_rmsnorm's s."""
+    return gemv(x, w, variant) + residual
+
+
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """The MLP's product and activation: silu_mul(gemv(x, w)) for the packed gate|up weight w [2 I, K] -> [M, I].
     The CUDA form makes both in one launch."""
@@ -475,10 +481,15 @@ def gemv_mlp_add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
+    x_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP (packed gate|up [2 I, K], down [N, I]) and the residual add + norm after it: gemv_add_rmsnorm(
     gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps) -> (rmsnorm(s), s). `variant` names the down
-    product's launch; the CUDA form makes all of it in one launch for one row."""
+    product's launch; the CUDA form makes all of it in one launch for one row. x_norm: x is the residual stream
+    before its norm (gemv_add's s) and that norm's weight is folded into w_gate_up, so the MLP's input is rmsnorm(x)
+    with no weight (the deferred norm)."""
+    if x_norm:
+        x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 

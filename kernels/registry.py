@@ -37,6 +37,7 @@ NAMES = (
     "synthetic_accept",
     "gemv",
     "gemv_add_rmsnorm",
+    "gemv_add",
     "gemv_silu_mul",
     "gemv_mlp_add_rmsnorm",
     "mtp_prefc",

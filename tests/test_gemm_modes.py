@@ -440,3 +440,104 @@ def test_auto_measures_the_mlp_only_outside_a_capture(fake_mlp, tmp_path):
     assert p.mlp_choice(x, gu, down) == "simt2.w8.s4" and p.mlp_choices == {(48, 96): "simt2.w8.s4"}
     assert fake_mlp["measure"] == [("mlp", 1)]
     assert p.mlp_choice(torch.randn(2, 32), gu, down) == "cublas"  # more rows: the separate launches
+
+
+def test_the_norm_before_a_resident_mlp_of_one_row_is_left_to_it(fake, monkeypatch):
+    """add_mlp_add_rmsnorm (Model.out_mlp): where the norm's weight is folded into gate|up, the MLP of one row is
+    the resident launch and a gemv kernel makes the projection before it, the projection stores only the residual
+    stream (gemv_add, its variant) and the MLP norms it itself (x_norm); unfolded, for more rows, another MLP form,
+    or cuBLAS making the projection, the projection's fused norm then the MLP as before. The same numbers every
+    way."""
+    calls = []
+    monkeypatch.setattr(ops, "gemv_mlp_fits", lambda x, gu, down, variant: x.shape[0] == 1)
+
+    def gemv_add(x, w, residual, variant=None):
+        calls.append(("add", variant))
+        return F.linear(x, w) + residual
+
+    def mlp(x, gu, down, r, nw, eps, variant=None, x_norm=False):
+        calls.append(("mlp", variant, x_norm))
+        if x_norm:
+            x = ops.rmsnorm(x, torch.zeros(x.shape[-1]), eps)
+        return ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(x, gu)), down), r, nw, eps)
+
+    def add_rmsnorm(x, w, residual, weight, eps, variant=None):
+        calls.append(("add+norm", variant))
+        return ops.add_rmsnorm(F.linear(x, w), residual, weight, eps)
+
+    monkeypatch.setattr(ops, "gemv_add", gemv_add)
+    monkeypatch.setattr(ops, "gemv_mlp_add_rmsnorm", mlp)
+    monkeypatch.setattr(ops, "gemv_add_rmsnorm", add_rmsnorm)
+    g = torch.Generator().manual_seed(3)
+    w_out, gu, down = (
+        torch.randn(32, 40, generator=g),
+        torch.randn(192, 32, generator=g),
+        torch.randn(32, 96, generator=g),
+    )
+    post, nxt = torch.zeros(32), torch.randn(32, generator=g) * 0.1  # post folded into gu (any gu will do)
+    p = products("cupy")
+    p.mlp_choices[(32, 96)] = "res2.w8.s1"
+
+    def run(rows, folded=True):
+        a, r = torch.randn(rows, 40, generator=g), torch.randn(rows, 32, generator=g)
+        calls.clear()
+        got = p.add_mlp_add_rmsnorm(a, w_out, r, post, gu, down, nxt, 1e-6, folded)
+        h, s = ops.add_rmsnorm(F.linear(a, w_out), r, post, 1e-6)
+        want = ops.add_rmsnorm(F.linear(ops.silu_mul(F.linear(h, gu)), down), s, nxt, 1e-6)
+        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(got, want, strict=True)), rows
+        return list(calls)
+
+    assert run(1) == [("add", "simt2.w4.s1"), ("mlp", "res2.w8.s1", True)]
+    assert run(1, folded=False) == [("add+norm", "simt2.w4.s1"), ("mlp", "res2.w8.s1", False)]
+    assert ("add", "simt2.w4.s1") not in run(3) and ("add+norm", "simt2.w4.s1") in run(3)
+    p.mlp_choices[(32, 96)] = "simt2.w8.s4"  # a per-launch form: the projection norms
+    assert run(1) == [("add+norm", "simt2.w4.s1"), ("mlp", "simt2.w8.s4", False)]
+    p.mlp_choices[(32, 96)] = "res2.w8.s1"
+    p.choices[(32, 40, 0)] = "cublas"  # cuBLAS makes the projection: add_rmsnorm after it, then the MLP
+    assert run(1) == [("mlp", "res2.w8.s1", False)]
+
+
+def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once(tiny_model_dir):
+    """Model.fold_norms (set_gemm, where the MLP of one row is resident): each such MLP's gate|up takes its norm's
+    weight (W (1 + w) columnwise) and the norm's weight becomes zero; the model's hidden states stay within fp32
+    rounding of the unfolded model's; a second call changes nothing; an MLP auto did not make
+    resident, or mode "exact", is left as it was."""
+    from engine import Engine
+
+    eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
+    m = eng.model
+    ids = torch.tensor([3, 17, 5, 9, 2])
+    before = m.forward_layers(ids, eng.new_session().state, 0, False).clone()
+    gate_ups = {n: t.clone() for n, t in m.w.items() if n.endswith("mlp.gate_up_packed")}
+    assert len(gate_ups) >= 2
+
+    class Resident:  # what fold_norms asks of GemvProducts: the one-row MLP's choice per (gate|up, down)
+        mode = "auto"
+
+        def __init__(self, resident):
+            self.resident = resident
+
+        def mlp_choice(self, row, gu, down):
+            return "res2.w8.s1" if gu.data_ptr() in self.resident else "cublas"
+
+    first = next(iter(gate_ups))
+    m._gemv = Resident({m.w[first].data_ptr()})
+    m._gemv.mode = "exact"
+    m.fold_norms()
+    assert all(torch.equal(m.w[n], t) for n, t in gate_ups.items())  # exact: nothing folded
+    m._gemv.mode = "auto"
+    m.fold_norms()
+    p = first[: -len("mlp.gate_up_packed")]
+    assert m.w[p + "post_attention_layernorm.weight"].count_nonzero() == 0
+    assert not torch.equal(m.w[first], gate_ups[first])
+    others = [n for n in gate_ups if n != first]
+    assert all(torch.equal(m.w[n], gate_ups[n]) for n in others)  # not resident: as it was
+    m._gemv = Resident({t.data_ptr() for n, t in m.w.items() if n.endswith("mlp.gate_up_packed")})
+    m.fold_norms()
+    folded = {n: m.w[n].clone() for n in gate_ups}
+    m.fold_norms()  # once a layer
+    assert all(torch.equal(m.w[n], folded[n]) for n in gate_ups)
+    assert all(t.count_nonzero() == 0 for n, t in m.w.items() if n.endswith("post_attention_layernorm.weight"))
+    m._gemv = None
+    after = m.forward_layers(ids, eng.new_session().state, 0, False)
+    assert torch.allclose(after, before, atol=1e-5, rtol=1e-4)

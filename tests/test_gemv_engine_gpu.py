@@ -142,3 +142,51 @@ def test_auto_sub_vocab_head_slices_are_chosen_at_first_eager_use(path, tmp_path
     eng.generate("def f(x):", 12, EngineSettings(draft_depth=3, sub_vocab=n, plan_pool=8))
     added = set(eng.info["gemm_choices"]) - before
     assert any(label.startswith(f"{n}x") for label in added), added
+
+
+def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, base, monkeypatch):
+    """Where the MLP of one row is the resident launch, the weight of the norm before it is folded into its gate|up
+    and each layer's output projection leaves that norm to it (Model.out_mlp -> gemv_add, then the MLP scaling its
+    sums by it): the projection's launch is the "_an" form without the norm, nothing falls back, every post-attention
+    norm weight is zero, and the greedy text is cuBLAS's on the unfolded model, speculative or not, eager or
+    captured; with the deferral off the same text."""
+    import kernels.cuda as kc
+
+    eng = Engine.load(path, device="cuda", dtype="float32", gemm="cupy")
+    g = eng.model._gemv
+    g.mlp_choices = {key: "res2.w8.s1" for key in g.mlp_choices}  # what auto takes for a large MLP
+    eng.model.fold_norms()  # as set_gemm does where the MLP is resident: the norms' weights into gate|up
+    row = torch.zeros((1, eng.cfg.hidden_size), dtype=torch.float32, device="cuda")
+    gu, down = eng.model.w["layers.0.mlp.gate_up_packed"], eng.model.w["layers.0.mlp.down_proj.weight"]
+    if not ops.gemv_mlp_fits(row, gu, down, "res2.w8.s1"):
+        pytest.skip("the bundled model's MLP does not take the resident form")
+    launched, real = [], kc._launch_gemv
+
+    def record(name, dtype, device, grid, block, args, *rest, **kw):
+        deferred = name.endswith("_an") and args.y is None  # gemv_add: the "_an" form storing s only
+        launched.append("deferred" if deferred else name)
+        return real(name, dtype, device, grid, block, args, *rest, **kw)
+
+    monkeypatch.setattr(kc, "_launch_gemv", record)
+    before = dict(ops.fallbacks())
+    target = EngineSettings(speculative=False, plan_pool=8)
+    plain = EngineSettings(speculative=False, plan_pool=0)
+    for defer in (True, False):
+        eng.model.defer_norm = defer
+        launched.clear()
+        assert eng.generate("def f(x):", 8, plain).tokens == base.generate("def f(x):", 8, plain).tokens, defer
+        resident = launched.count("gemv_simt_m1_c2_rmlp")
+        assert resident > 0 and launched.count("deferred") == (resident if defer else 0), (defer, launched)
+    assert ops.fallbacks() == before
+    posts = [t for name, t in eng.model.w.items() if name.endswith("post_attention_layernorm.weight")]
+    assert posts and all(t.count_nonzero().item() == 0 for t in posts)
+    for w in list(load_workloads().values())[:2]:
+        prompt = w.prompt_for(eng.tokenizer)
+        want = base.generate(prompt, N_NEW, target, base.new_session()).tokens
+        for defer in (True, False):
+            eng.model.defer_norm = defer
+            assert eng.generate(prompt, N_NEW, target, eng.new_session()).tokens == want, (w.name, defer)
+            spec = EngineSettings(draft_depth=3, chain=True, plan_pool=8)
+            assert eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens == want, (w.name, defer)
+    eng.model.defer_norm = True
+    eng.close()

@@ -676,3 +676,91 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
             assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
     finally:
         kc.set_pdl(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_add_is_the_residual_stream_of_gemv_add_rmsnorm(kc, dtype):
+    """gemv_add (the projection whose norm is deferred to the kernel after it): the "_an" launch given no y stores
+    s only, bit for bit gemv_add_rmsnorm's s for every variant (K splits included) at 1, 4 and 17 rows, in one
+    launch; the counters it touches (a K split's tiles) are back at zero after it, so the fused form after it on
+    the same weight still norms (its y equal to a launch on fresh counters)."""
+    n, k = 1024, 2048
+    w = weight(n, k, dtype)
+    nw = torch.randn(n, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(4)) * 0.1
+    before = kc.registry.fallbacks().get("gemv_add", 0)
+    for m in (1, 4, 17):
+        x, r = rows(m, k, dtype, seed=m), rows(m, n, dtype, seed=m + 50)
+        for variant in kc.gemv_variants(m, n, k, dtype, CUDA):
+            s, names = _launched(kc, lambda v=variant, x=x, r=r: kc.gemv_add(x, w, r, v))
+            y2, s2 = kc.gemv_add_rmsnorm(x, w, r, nw, 1e-6, variant)
+            label = f"{m} rows {dtype} {variant}"
+            assert torch.equal(s, s2), label
+            assert len(names) == 1 and names[0].endswith("_an"), (label, names)
+            y3, _ = kc.gemv_add_rmsnorm(x, w, r, nw, 1e-6, variant)
+            assert torch.equal(y2, y3), label
+        close(s, ref.gemv_add(x, w, r), f"{m} rows {dtype}")
+    assert kc.registry.fallbacks().get("gemv_add", 0) == before
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,producer", [("res2.w8.s1", "simt1.w8.s1"), ("res1.w4.s1", "simt2.w4.s2")])
+def test_the_resident_mlp_scales_by_its_deferred_norm_after_its_products(kc, dtype, variant, producer):
+    """The deferred norm: gemv_add, then the resident MLP given x_norm on gate|up with the norm's weight folded in
+    (each activation warp sums the residual stream's squares as it reads it and scales its sums by the norm after
+    its FMAs): two launches, the residual stream bit for bit gemv_add_rmsnorm's, the MLP's y and s close to the
+    norm (zero weight) then the MLP on the folded weight and to the reference on the unfolded one; captured in a
+    graph and replayed on new inputs, the eager bits, its counters back at zero. Where the MLP is not the resident
+    form, x is normed first."""
+    i, k, a_k = 3072, 1024, 2048
+    gu, down, w_out = weight(2 * i, k, dtype), weight(k, i, dtype), weight(k, a_k, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(9)
+    post, nxt = torch.randn(k, device=CUDA, generator=g) * 0.1, torch.randn(k, device=CUDA, generator=g) * 0.1
+    folded = (gu.float() * (1.0 + post)[None, :]).to(dtype)
+    zero = torch.zeros(k, device=CUDA)
+
+    def deferred(a, r):
+        s = kc.gemv_add(a, w_out, r, producer)
+        return kc.gemv_mlp_add_rmsnorm(s, folded, down, s, nxt, 1e-6, variant, x_norm=True)
+
+    a_in, r_in = rows(1, a_k, dtype, seed=21), rows(1, k, dtype, seed=22)
+    (y, s), names = _launched(kc, lambda: deferred(a_in, r_in))
+    family = kc.registry.parse_gemv_variant(variant)[0]
+    assert names == [kc._gemv_launch(a_in, w_out, producer)[0] + "_an", f"gemv_simt_m1_c{family[-1]}_rmlp"], names
+    assert torch.equal(
+        kc.gemv_add(a_in, w_out, r_in, producer), kc.gemv_add_rmsnorm(a_in, w_out, r_in, zero, 1e-6, producer)[1]
+    )
+    h, s2 = kc.gemv_add_rmsnorm(a_in, w_out, r_in, zero, 1e-6, producer)
+    y2, s_mlp = kc.gemv_mlp_add_rmsnorm(h, folded, down, s2, nxt, 1e-6, variant)
+    # close's tolerances, not its share of bit-identical elements: the normed row is not rounded to the dtype here
+    rtol, scale = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.5e-2, 2e-3), torch.float16: (3e-3, 1e-3)}[dtype]
+    h_ref, s_ref = ref.gemv_add_rmsnorm(a_in, w_out, r_in, post, 1e-6)
+    want_y, want_s = ref.gemv_mlp_add_rmsnorm(h_ref, gu, down, s_ref, nxt, 1e-6)
+    for got, want, what in (
+        (s, s_mlp, "s, norm then folded"),
+        (y, y2, "y, norm then folded"),
+        (s, want_s, "s, reference"),
+        (y, want_y, "y, reference"),
+    ):
+        atol = scale * want.float().abs().max().item()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, w=what: f"{dtype} {variant} {w}: {m}")
+    # not resident: the MLP's input normed first (no weight), then the per-launch form
+    y3, s3 = kc.gemv_mlp_add_rmsnorm(s2, folded, down, s2, nxt, 1e-6, "simt2.w8.s2", x_norm=True)
+    y4, s4 = kc.gemv_mlp_add_rmsnorm(kc.rmsnorm(s2, zero, 1e-6), folded, down, s2, nxt, 1e-6, "simt2.w8.s2")
+    assert torch.equal(y3, y4) and torch.equal(s3, s4)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = deferred(a_in, r_in)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in range(3):
+        a, r = rows(1, a_k, dtype, seed=30 + seed), rows(1, k, dtype, seed=40 + seed)
+        a_in.copy_(a)
+        r_in.copy_(r)
+        graph.replay()
+        want = deferred(a, r)
+        torch.cuda.synchronize()
+        assert all(torch.equal(p, q) for p, q in zip(outs, want, strict=True)), (variant, seed)
+    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+    assert mcnt is not None and mcnt.count_nonzero().item() == 0

@@ -283,13 +283,43 @@ __device__ __forceinline__ void gv_wait_count(const int* c, int target) {
     }
 }
 
-// Called by every thread of every block once its split's partials of columns [nb, nb + cols) are stored.
-// Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks).
 #define GV_NORM_KEEP 4  // 16-byte vectors of a row a thread keeps in registers between the norm's two passes
+// One row's norm by the whole block: yr = sr * rsqrt(mean(sr^2) + eps) * (1 + w), add_rmsnorm's arithmetic, the sum
+// of squares in a fixed order (each thread's vectors v = t, t + nt, ... in order, then gv_block_sum), so the same
+// bits for the same block size. sr read past L1 (other blocks stored it); yr 16-byte aligned; N % GV_VEC == 0. Every
+// thread of the block calls it.
+__device__ __forceinline__ void gv_norm_row(const scalar_t* sr, scalar_t* yr, const float* __restrict__ nw, float eps,
+                                            int N) {
+    __shared__ float gv_nsh[GV_MAX_WARPS];
+    const int nt = blockDim.x, nv = N / GV_VEC;
+    uint4 keep[GV_NORM_KEEP];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < GV_NORM_KEEP; ++i) {
+        const int v = threadIdx.x + i * nt;
+        if (v < nv) keep[i] = gv_ld_cg(sr + (long long)v * GV_VEC);
+    }
+#pragma unroll
+    for (int i = 0; i < GV_NORM_KEEP; ++i)
+        if (threadIdx.x + i * nt < nv) ss += gv_sum_squares(keep[i]);
+    for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+        ss += gv_sum_squares(gv_ld_cg(sr + (long long)v * GV_VEC));
+    const float rsq = rsqrtf(gv_block_sum(ss, gv_nsh) / (float)N + eps);
+#pragma unroll
+    for (int i = 0; i < GV_NORM_KEEP; ++i) {
+        const int v = threadIdx.x + i * nt;
+        if (v < nv) gv_norm_store(keep[i], rsq, nw, yr, v);
+    }
+    for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
+        gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, nw, yr, v);
+}
+
+// Called by every thread of every block once its split's partials of columns [nb, nb + cols) are stored.
+// Needs N % GV_VEC == 0 and y, s 16-byte aligned (kernels/cuda.py checks). y == nullptr: the deferred form (op
+// gemv_add): s only, no norm and no counter but a K split's; the consumer scales by the norm itself (NX below).
 __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int S, int M, int N, long long nb,
                                             int cols, const GvEpi& e) {
     __shared__ int gv_flag;
-    __shared__ float gv_sh[GV_MAX_WARPS];
     const int tile = e.tile >= 0 ? e.tile : (int)blockIdx.x, ntiles = e.tile >= 0 ? e.ntiles : (int)gridDim.x;
     if (S > 1 && !gv_last_in(e.cnt + 1 + tile, S, &gv_flag)) return;  // the tile's last split goes on
     if (S == 1) __syncthreads();  // the block's own partials
@@ -302,6 +332,7 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         for (int j = 0; j < S; ++j) sum += __ldcg(part + ((long long)j * M + m) * N + n);
         e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + gv_f(e.r[m * e.rs + n])));
     }
+    if (e.y == nullptr) return;  // deferred: the consumer norms the rows
     // The rows' norms. One row: by the last tile to count in at the launch's counter (cnt[0]). Several rows (M
     // no more than the tiles): by the last M tiles to count in, a row each (the (ntiles - M + r)-th to arrive
     // norms row r), each waiting until every tile has counted in; before, one block normed every row in turn, M
@@ -333,34 +364,8 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
             if (e.ticket != nullptr) atomicSub(e.ticket, (int)gridDim.x);
         }
     }
-    // Every row of s is complete. The whole block a row: its sum of squares (each thread's vectors in order, then
-    // gv_block_sum: a fixed order whatever M is), then y = s * rsqrt(mean + eps) * (1 + w), add_rmsnorm's
-    // arithmetic.
-    const int nt = blockDim.x, nv = N / GV_VEC;
-    for (int m = m_lo; m < m_hi; ++m) {
-        const scalar_t* sr = e.s + (long long)m * N;
-        scalar_t* yr = e.y + (long long)m * N;
-        uint4 keep[GV_NORM_KEEP];
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < GV_NORM_KEEP; ++i) {
-            const int v = threadIdx.x + i * nt;
-            if (v < nv) keep[i] = gv_ld_cg(sr + (long long)v * GV_VEC);
-        }
-#pragma unroll
-        for (int i = 0; i < GV_NORM_KEEP; ++i)
-            if (threadIdx.x + i * nt < nv) ss += gv_sum_squares(keep[i]);
-        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
-            ss += gv_sum_squares(gv_ld_cg(sr + (long long)v * GV_VEC));
-        const float rsq = rsqrtf(gv_block_sum(ss, gv_sh) / (float)N + e.eps);
-#pragma unroll
-        for (int i = 0; i < GV_NORM_KEEP; ++i) {
-            const int v = threadIdx.x + i * nt;
-            if (v < nv) gv_norm_store(keep[i], rsq, e.nw, yr, v);
-        }
-        for (int v = threadIdx.x + GV_NORM_KEEP * nt; v < nv; v += nt)
-            gv_norm_store(gv_ld_cg(sr + (long long)v * GV_VEC), rsq, e.nw, yr, v);
-    }
+    // Every row of s is complete. The whole block a row (gv_norm_row: a fixed order whatever M is).
+    for (int m = m_lo; m < m_hi; ++m) gv_norm_row(e.s + (long long)m * N, e.y + (long long)m * N, e.nw, e.eps, N);
     if (spread && threadIdx.x == 0) {
         int old;
         asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(e.cnt + 1 + ntiles) : "memory");
@@ -430,9 +435,11 @@ __device__ __forceinline__ uint4 gv_ld_xm(const scalar_t* p) {
     if (XM == 2) return *reinterpret_cast<const uint4*>(p);
     return XM == 1 ? gv_ld_cg(p) : gv_ld_x(p);
 }
-template <int MB, int C, int U, int XM = 0>
+// NX: also each row's sum of squares of x into ssq (the deferred norm: gv_simt_cols).
+template <int MB, int C, int U, int XM = 0, bool NX = false>
 __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (&wv)[U][C],
-                                              const scalar_t* __restrict__ x, long long xs, int M, int v) {
+                                              const scalar_t* __restrict__ x, long long xs, int M, int v,
+                                              float* ssq = nullptr) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         float wf[C][GV_VEC];
@@ -444,6 +451,9 @@ __device__ __forceinline__ void gv_simt_batch(float (&acc)[C][MB], const uint4 (
                 float xf[GV_VEC];
                 const scalar_t* xp = x + m * xs + (long long)(v + u * 32) * GV_VEC;
                 gv_unpack(gv_ld_xm<XM>(xp), xf);
+                if (NX)
+#pragma unroll
+                    for (int e = 0; e < GV_VEC; ++e) ssq[m] = __fmaf_rn(xf[e], xf[e], ssq[m]);
 #pragma unroll
                 for (int c = 0; c < C; ++c)
 #pragma unroll
@@ -464,13 +474,18 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
 
 // The warp's C columns from n0 (< N); SM: its one output column n0 (< N = I), rows n0 and n0 + N. split: the K split
 // (blockIdx.y where negative). wait_at: after the PDL wait, lane 0 also waits until *wait_at >= wait_for (the MLP form:
-// the activation's K range of this split stored by the launch's other blocks), x then read with CGX loads.
+// the activation's K range of this split stored by the launch's other blocks), x then read past L1 (XM 1).
 // UL: 16-byte W loads in flight per lane (U * C; the order of k per lane is the same whatever it is).
-template <int MB, int C, bool SM, bool CGX = false, int UL = 4>
+// XM: where x is read from (gv_ld_xm). NX (the deferred norm, issue 20): x is the residual stream s of rows whose
+// norm's weight is folded into W (W (1 + w) columnwise: Model.fold_norms), so x's norm is only its scale
+// rsqrt(mean(s^2) + xeps); the warp sums each row's squares as it reads x (its lanes' vectors in order, then
+// gv_warp_sum: every warp that reads the whole row gets the same bits) and scales its sums by it at the end, after
+// every FMA: no wait for the norm before the product. Needs vec_ok and no K split.
+template <int MB, int C, bool SM, int XM = 0, int UL = 4, bool NX = false>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
-                                             long long n0, int split, const int* wait_at, int wait_for) {
+                                             long long n0, int split, const int* wait_at, int wait_for, float xeps) {
     constexpr int U = UL / C;  // 16-byte W loads in flight per lane: U * C = UL
     const int lane = threadIdx.x & 31;
     const int s = split >= 0 ? split : (int)blockIdx.y;
@@ -489,6 +504,9 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
     for (int c = 0; c < C; ++c)
 #pragma unroll
         for (int m = 0; m < MB; ++m) acc[c][m] = 0.f;
+    float ssq[MB];
+#pragma unroll
+    for (int m = 0; m < MB; ++m) ssq[m] = 0.f;
 
     if (vec_ok) {
         const int v1 = k1 / GV_VEC;
@@ -503,17 +521,17 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
             __syncwarp();
         }
         if (pre) {
-            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, XM, NX>(acc, wv, x, xs, M, v, ssq);
             v += U * 32;
         }
         for (; v + (U - 1) * 32 < v1; v += U * 32) {
             gv_ld_w_batch<U, C>(wv, wr, v);
-            gv_simt_batch<MB, C, U, CGX>(acc, wv, x, xs, M, v);
+            gv_simt_batch<MB, C, U, XM, NX>(acc, wv, x, xs, M, v, ssq);
         }
         for (; v < v1; v += 32) {
             uint4 w1[1][C];
             gv_ld_w_batch<1, C>(w1, wr, v);
-            gv_simt_batch<MB, C, 1, CGX>(acc, w1, x, xs, M, v);
+            gv_simt_batch<MB, C, 1, XM, NX>(acc, w1, x, xs, M, v, ssq);
         }
     } else {
         PDL_WAIT();  // (the MLP form needs vec_ok: kernels/cuda.py checks)
@@ -536,6 +554,14 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 #pragma unroll
         for (int m = 0; m < MB; ++m)
             if (m < M) acc[c][m] = gv_warp_sum(acc[c][m]);  // m < M is the same in every lane
+    if (NX)
+#pragma unroll
+        for (int m = 0; m < MB; ++m)
+            if (m < M) {
+                const float rsq = rsqrtf(gv_warp_sum(ssq[m]) / (float)K + xeps);
+#pragma unroll
+                for (int c = 0; c < C; ++c) acc[c][m] *= rsq;
+            }
     if (lane == 0) {
         if (SM) {
 #pragma unroll
@@ -556,17 +582,18 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
 // (one output column a warp).
 // bx: the block's column tile (blockIdx.x, but for the fused in_proj form's own order of tiles).
 // split, S, wait_at, wait_for: the MLP form's (see gv_simt_cols; split < 0: blockIdx.y of gridDim.y splits).
-template <int MB, int C, bool EPI, bool SM, bool CGX = false, int UL = 4>
+template <int MB, int C, bool EPI, bool SM, int XM = 0, int UL = 4, bool NX = false>
 __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                         long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                         int N, int K, int kchunk, int vec_ok, const GvEpi& epi, int bx,
-                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0) {
+                                        int split = -1, int S = 0, const int* wait_at = nullptr, int wait_for = 0,
+                                        float xeps = 0.f) {
     const int nw = blockDim.x >> 5;
     constexpr int OC = SM ? 1 : C;  // output columns a warp
     const long long n0 = ((long long)bx * nw + (threadIdx.x >> 5)) * OC;
     if (n0 < N)
-        gv_simt_cols<MB, C, SM, CGX, UL>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
-                                         wait_for);
+        gv_simt_cols<MB, C, SM, XM, UL, NX>(x, xs, w, wsr, out, part, M, N, K, kchunk, vec_ok, n0, split, wait_at,
+                                            wait_for, xeps);
     else
         PDL_WAIT();
     if (EPI) gv_add_norm(part, split >= 0 ? S : (int)gridDim.y, M, N, (long long)bx * nw * C, nw * C, epi);
@@ -634,11 +661,13 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
         int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
         const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
-        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps,                       \
+        int xnorm) {                                                                                              \
         __shared__ int s_ticket;                                                                                  \
         if (threadIdx.x == 0) s_ticket = atomicAdd(mcnt, 1) % (int)gridDim.x;                                     \
         __syncthreads();                                                                                          \
         PDL_TRIGGER();                                                                                            \
+        (void)xnorm; /* kernels/cuda.py gives the deferred norm to the resident form only */                      \
         const int t = s_ticket, warps = blockDim.x >> 5, ngu = I / warps;                                        \
         if (t < ngu) {                                                                                            \
             gv_simt<1, 2, false, true>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);                   \
@@ -658,7 +687,7 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         e.zero = mcnt + 1;                                                                                        \
         e.nzero = S;                                                                                              \
         e.ticket = mcnt;                                                                                          \
-        gv_simt<1, GV_C, true, false, true>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,  \
+        gv_simt<1, GV_C, true, false, 1>(act, 0, wd, wds, nullptr, part, 1, N, I, kchunk, 1, e, tile, sp, S,      \
                                             mcnt + 1 + sp, (hi - 1) / warps - lo / warps + 1);                    \
     }
 
@@ -671,7 +700,10 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 //     has counted in (acquire), stages the whole activation in shared memory (read past L1, once a block instead of
 //     once a warp), then makes the tile (gemv_simt_m1_c{C}'s code, its vectors in the same order, so the same sums)
 //     and gv_add_norm's add + norm (the _an form's code and counters cnt, no split).
-// The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). The launch's last
+// The same bits as gemv_silu_mul (variant simt{C}.wW.s1) then gemv_add_rmsnorm (simt{C}.wW.s1). xnorm (the deferred
+// norm): x is the residual stream s and wg carries its norm's weight (folded), each activation warp scales its two
+// sums by rsqrt(mean(s^2) + eps) after its FMAs (gv_simt_cols NX): within a rounding of the norm then the product
+// (y is not rounded to the dtype between them), and nothing waits for the norm. The launch's last
 // tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
 // while every block is resident (the grid is sized so), so the wait always ends (no
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
@@ -683,12 +715,19 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
                                                 const scalar_t* __restrict__ wd, long long wds,
                                                 float* __restrict__ part, int N, const scalar_t* __restrict__ r,
                                                 const float* __restrict__ nw, scalar_t* __restrict__ y,
-                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps) {
+                                                scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps,
+                                                int xnorm) {
     extern __shared__ uint4 gv_act4[];
     constexpr int U = GV_RMLP_LOADS / C;  // twice gv_simt_cols's loads in flight (the same order of k per lane)
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ngu = I / warps, ntiles = N / (warps * C);
-    for (int t = blockIdx.x; t < ngu; t += gridDim.x)
-        gv_simt<1, 2, false, true, false, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
+    if (xnorm == 0) {
+        for (int t = blockIdx.x; t < ngu; t += gridDim.x)
+            gv_simt<1, 2, false, true, 0, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
+    } else {  // x is the residual stream, its norm's weight folded into wg: each warp scales its sums (NX)
+        for (int t = blockIdx.x; t < ngu; t += gridDim.x)
+            gv_simt<1, 2, false, true, 0, GV_RMLP_LOADS, true>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{},
+                                                               t, -1, 0, nullptr, 0, eps);
+    }
     PDL_WAIT();  // (a block without an activation tile has not waited yet)
     __syncthreads();  // the block's columns are stored
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt) : "memory");
@@ -745,9 +784,10 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg, long long wgs, scalar_t* act, int I,     \
         int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part, int N, int kchunk, int S, \
         const scalar_t* __restrict__ r, const float* __restrict__ nw, scalar_t* __restrict__ y,                   \
-        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                     \
+        scalar_t* __restrict__ s, int* __restrict__ cnt, int* __restrict__ mcnt, float eps,                       \
+        int xnorm) {                                                                                              \
         PDL_TRIGGER();                                                                                            \
-        gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps);              \
+        gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps, xnorm);       \
     }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
 GEMV_SIMT(1, 1)
