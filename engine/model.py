@@ -237,12 +237,12 @@ class Model:
         if self._gemv is None or self.group.active or self._gemv.mode == "exact":
             return
         ends = "mlp.gate_up_packed"
+        row = torch.empty((1, self.cfg.hidden_size), dtype=self.dtype, device=self.device)  # a one-row input's shape
         for name, gate_up in self.w.items():
             p = name[: -len(ends)]
             if not name.endswith(ends) or p in self._folded:
                 continue
             down = self.w[p + "mlp.down_proj.weight"]
-            row = torch.empty((1, gate_up.shape[1]), dtype=self.dtype, device=self.device)
             if not self._gemv.mlp_choice(row, gate_up, down).startswith("res"):
                 continue
             post = self.w[p + "post_attention_layernorm.weight"]

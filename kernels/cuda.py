@@ -1916,22 +1916,49 @@ def gemv_add_rmsnorm(
     norm the rows (y; a row's sum of squares in a fixed order of its own, so a row's y never depends on the rows
     beside it; within a rounding of add_rmsnorm's). Needs N a whole number of 16-byte vectors, and one eager call
     before a capture (the counters are made then); otherwise the reference."""
+    launched = _launch_an(x, w, residual, variant, weight, eps)
+    if launched is None:
+        return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
+    return launched
+
+
+def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
+    """gemv_add_rmsnorm's launch without its norm (issue 20, the deferred norm): the "_an" form given no y stores
+    only s = gemv(x, w) + residual (bit for bit gemv_add_rmsnorm's s), with no counter round trip and no norm at the
+    end of the launch; the kernel after it scales by the norm itself (gemv_mlp_add_rmsnorm's x_norm). Where the
+    fused form does not take the operands, the reference."""
+    launched = _launch_an(x, w, residual, variant)
+    if launched is None:
+        return _fallback("gemv_add", x)(x, w, residual, variant)
+    return launched[1]
+
+
+def _launch_an(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    residual: torch.Tensor,
+    variant: str | None,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The "_an" launch of gemv_add_rmsnorm (weight given: (y, s)) or gemv_add (None: (None, s), no norm, so no
+    whole-vector rows needed); None where it does not take the operands or has no counters (the caller's reference)."""
     m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
     if (
         not gemv_takes(x, w)
         or not gemv_kernels(x.device, x.dtype)[0]
         or not _add_norm_operands_ok(x, residual, weight, m, n)
-        or n % (16 // x.element_size()) != 0
+        or (weight is not None and n % (16 // x.element_size()) != 0)
     ):
-        return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
+        return None
     name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
     cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 2)  # the launch's, a tile's each, the rows' norms
     if cnt is None:
-        return _fallback("gemv_add_rmsnorm", x)(x, w, residual, weight, eps, variant)
+        return None
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = None if weight is None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    nw = _f32_norm_weight(weight)
+    nw = None if weight is None else _f32_norm_weight(weight)
     args = la.GemvAddNormArgs(
         x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
         vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=nw, y=y, s=s, cnt=cnt, eps=eps,
@@ -1940,43 +1967,15 @@ def gemv_add_rmsnorm(
     return y, s
 
 
-def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
-    """gemv_add_rmsnorm's launch without its norm (issue 20, the deferred norm): the "_an" form given no y stores
-    only s = gemv(x, w) + residual (bit for bit gemv_add_rmsnorm's s), with no counter round trip and no norm at the
-    end of the launch; the kernel after it scales by the norm itself (gemv_mlp_add_rmsnorm's x_norm). Where the
-    fused form does not take the operands, the reference."""
-    m, n = (x.shape[0], w.shape[0]) if x.dim() == 2 and w.dim() == 2 else (0, 0)
-    if (
-        not gemv_takes(x, w)
-        or not gemv_kernels(x.device, x.dtype)[0]
-        or not _cuda_ok(residual)
-        or residual.shape != (m, n)
-        or residual.dtype != x.dtype
-        or residual.stride(1) != 1
-    ):
-        return _fallback("gemv_add", x)(x, w, residual, variant)
-    name, grid, block, smem, kchunk, splits = _gemv_launch(x, w, variant)
-    cnt = _counters(x.device, ("gemv", w.data_ptr()), grid[0] + 2)  # a K split's tile counters (gemv_add_rmsnorm's)
-    if cnt is None:
-        return _fallback("gemv_add", x)(x, w, residual, variant)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    s = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    args = la.GemvAddNormArgs(
-        x=x, xs=x.stride(0), w=w, wsr=w.stride(0), part=part, M=m, N=n, K=x.shape[1], kchunk=kchunk,
-        vec_ok=int(_gemv_vec_ok(x, w)), r=residual, rs=residual.stride(0), nw=None, y=None, s=s, cnt=cnt, eps=0.0,
-    )  # fmt: skip
-    _launch_gemv(name + "_an", x.dtype, x.device, grid, block, args, smem)
-    return s
-
-
-def _add_norm_operands_ok(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, m: int, n: int) -> bool:
-    """The fused add + norm forms' residual [m, n] (x's dtype, unit column stride) and norm weight [n], on the GPU."""
+def _add_norm_operands_ok(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, m: int, n: int) -> bool:
+    """The fused add + norm forms' residual [m, n] (x's dtype, unit column stride) and norm weight [n] (None: the
+    deferred form, no norm), on the GPU."""
     return (
-        _cuda_ok(residual, weight)
+        _cuda_ok(residual)
         and residual.shape == (m, n)
         and residual.dtype == x.dtype
         and residual.stride(1) == 1
-        and weight.numel() == n
+        and (weight is None or (_cuda_ok(weight) and weight.numel() == n))
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_gpu import close
+from test_kernels_gpu import captured, close
 
 from kernels import reference as ref
 
@@ -368,13 +368,7 @@ def test_gemv_silu_mul_with_k_splits_back_to_back_in_a_graph(kc, pdl, monkeypatc
             x_in = rows(1, k, dtype, seed=1)
             assert kc.gemv_silu_one_launch(x_in, w, variant), variant
             chain(x_in, variant)  # eager first: the counters are made outside the capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    outs = chain(x_in, variant)
-            torch.cuda.current_stream().wait_stream(stream)
+            graph, outs = captured(lambda x_in=x_in, variant=variant: chain(x_in, variant))
             for seed in range(3, 6):
                 x_in.copy_(rows(1, k, dtype, seed=seed))
                 graph.replay()
@@ -747,13 +741,7 @@ def test_the_resident_mlp_scales_by_its_deferred_norm_after_its_products(kc, dty
     y3, s3 = kc.gemv_mlp_add_rmsnorm(s2, folded, down, s2, nxt, 1e-6, "simt2.w8.s2", x_norm=True)
     y4, s4 = kc.gemv_mlp_add_rmsnorm(kc.rmsnorm(s2, zero, 1e-6), folded, down, s2, nxt, 1e-6, "simt2.w8.s2")
     assert torch.equal(y3, y4) and torch.equal(s3, s4)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            outs = deferred(a_in, r_in)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, outs = captured(lambda: deferred(a_in, r_in))
     for seed in range(3):
         a, r = rows(1, a_k, dtype, seed=30 + seed), rows(1, k, dtype, seed=40 + seed)
         a_in.copy_(a)

@@ -103,6 +103,19 @@ def close(out: torch.Tensor, expect: torch.Tensor, name: str = "") -> None:
         assert same >= 0.9, f"{name}: only {same:.3f} of the bf16 elements are bit-identical"
 
 
+def captured(fn):
+    """(graph, fn()'s result as captured): fn run once inside a CUDA graph capture on a side stream (its kernels
+    recorded, not run), the current stream ordered around it. Replay the graph to run them."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            result = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
+
+
 def as_start(s: int, tensor: bool):
     return torch.tensor([s], dtype=torch.int64, device=CUDA) if tensor else s
 
@@ -747,13 +760,7 @@ def test_argmax_greedy_accept_replayed_back_to_back(kc, pdl):
 
     try:
         rounds(outs, cls)  # eager first: the counters are made outside the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                toks = rounds(outs, cls)
-        torch.cuda.current_stream().wait_stream(stream)
+        graph, toks = captured(lambda: rounds(outs, cls))
         for seed in range(4):
             new, hot = _logits(t, vocab, vocab, torch.bfloat16)
             lg.copy_(new)
