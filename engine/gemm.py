@@ -85,6 +85,11 @@ EPILOGUES = ("silu", "norm")
 # in_proj was 1-4% slower fused). Mode "exact" keeps its row-invariant variant and the two launches.
 _RULE_VARIANT = "tc2.w8.s1"
 _RULE_MIN_BYTES = 32 << 20
+# ... its z columns (the gate only the head norms read, made last) in this many K splits, each z tile by as many
+# blocks: 9B-like, the 386 tiles of 32 columns are 1.46 waves of 2 blocks an SM, and the last 122 (all z) ran one
+# block an SM at ~60% of the copy speed (bench/results/h200-tail-trace-2026-12-05.txt); 256 half tiles fill that
+# wave (bench/results/z-splits-2026-12-05.txt). z then has the bits of the variant with these splits.
+_RULE_Z_SPLITS = 2
 # The MLP of one row in one launch (GemvProducts.mlp_add_rmsnorm; kernels/cuda.py gemv_mlp_add_rmsnorm): the CUDA-core
 # variants of the down product it can run (the gate|up product takes the same warps), "auto" timing each against
 # the launches it replaces (the gate|up and down choices with their epilogues); mode "cupy" takes _MLP_DEFAULT.
@@ -257,18 +262,23 @@ class GemvProducts:
         weight: torch.Tensor,
         eps: float,
         folded: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        defer_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """mlp_add_rmsnorm(*add_rmsnorm(x, w, residual, x_weight, eps), ...): a projection joining the residual stream,
         its norm, the MLP and the add + norm after it. folded: x_weight is zero, its values folded into w_gate_up
         (Model.fold_norms). Then, where the MLP is one resident launch (one row, mlp_choice "res...") and the
         projection a gemv kernel, the norm is deferred (issue 20): the projection's launch stores the residual
         stream only (ops.gemv_add: no counter and no one-block norm at its end, ~4 us on the H200 a 9B-like layer),
-        and the MLP's warps scale their sums by the norm after their FMAs (gemv_mlp_add_rmsnorm's x_norm)."""
+        and the MLP's warps scale their sums by the norm after their FMAs (gemv_mlp_add_rmsnorm's x_norm).
+        defer_next (the norm after the MLP is folded into the next layer's in_proj, whose fused launch norms its
+        input: conv_delta_rule_norm's x_eps): there, (None, s), the MLP's launch storing s only (no norm block at
+        its end, ~3 us on the H200 a 9B-like layer)."""
         if folded and x.dim() == 2 and x.shape[0] == 1 and self.takes(x, w):
             choice, variant = self.choice(1, w), self.mlp_choice(residual, w_gate_up, w_down)
             if choice != "cublas" and variant.startswith("res"):
                 s = ops.gemv_add(x, w, residual, choice)
-                return ops.gemv_mlp_add_rmsnorm(s, w_gate_up, w_down, s, weight, eps, variant, x_norm=True)
+                after = None if defer_next else weight
+                return ops.gemv_mlp_add_rmsnorm(s, w_gate_up, w_down, s, after, eps, variant, x_norm=True)
         h, s = self.add_rmsnorm(x, w, residual, x_weight, eps)
         return self.mlp_add_rmsnorm(h, w_gate_up, w_down, s, weight, eps)
 
@@ -318,19 +328,38 @@ class GemvProducts:
         return _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
 
     def conv_delta_rule_norm(
-        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
-    ) -> torch.Tensor:
+        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps, z_splits=None,
+        x_eps=None,
+    ) -> torch.Tensor:  # fmt: skip
         """The delta-net's decode step from its input rows: in_proj_step(self(x, w), ...), one fused launch where
-        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step)."""
+        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step,
+        its z columns those of the product in `z_splits` K splits, None: _RULE_Z_SPLITS). x_eps given: x is the
+        residual stream, the layer's input norm folded into w (Model.fold_norms), normed in the fused launch or
+        (rmsnorm with no weight) before the product."""
+        z_splits = _RULE_Z_SPLITS if z_splits is None else z_splits
         step = (conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps)
+        if self._rule_fused(x, w):
+            self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
+            return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT, z_splits, x_eps)
+        if x_eps is not None:
+            x = ops.rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
         if self.takes(x, w):
             choice = self.choice(x.shape[0], w)
             if choice != "cublas":
-                if self.mode != "exact" and w.numel() * w.element_size() >= _RULE_MIN_BYTES:
-                    self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
-                    return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT)
                 return ops.in_proj_step(ops.gemv(x, w, choice), *step)
         return ops.in_proj_step(self(x, w), *step)
+
+    def _rule_fused(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether conv_delta_rule_norm of these rows is the fused in_proj launch (_RULE_VARIANT): a gemv choice
+        for the product, a weight of at least _RULE_MIN_BYTES, not mode "exact"."""
+        if not self.takes(x, w) or self.mode == "exact" or w.numel() * w.element_size() < _RULE_MIN_BYTES:
+            return False
+        return self.choice(x.shape[0], w) != "cublas"
+
+    def rule_norms(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether conv_delta_rule_norm of rows like x (one row: a decode step) norms its input in the fused launch
+        (Model.fold_norms folds a delta-net layer's input norm into its in_proj only there)."""
+        return self._rule_fused(x, w) and ops.gemv_rule_norms(x, w, _RULE_VARIANT)
 
     def prepare_rule(self, in_proj: list[torch.Tensor], key_dim: int) -> None:
         """Compile and load the fused in_proj + step kernels now (at load) where conv_delta_rule_norm will take them

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import ops
 
 from .config import ModelConfig
-from .gemm import GemvProducts, autotuned_linear, check_mode, gemv_products
+from .gemm import _RULE_Z_SPLITS, GemvProducts, autotuned_linear, check_mode, gemv_products
 from .parallel import Group, vocab_slice
 from .state import SessionState
 
@@ -77,6 +77,9 @@ class Model:
         # gemv kernel makes the product (engine/gemm.py _RULE_VARIANT says where); off only to measure the two-launch
         # form against it (bench/decode_ab.py --rule-ab)
         self.fuse_rule = True
+        # ... with its z columns in this many K splits (engine/gemm.py _RULE_Z_SPLITS); 1 only to measure the splits
+        # (bench/decode_ab.py --zsplit-ab)
+        self.rule_z_splits = _RULE_Z_SPLITS
         # the MLP of one row (gate|up + silu_mul, down + add + norm) as one launch (the gemv kernel's "_mlp" form)
         # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
         # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
@@ -86,8 +89,14 @@ class Model:
         # stores the residual stream only, the MLP's warps scale by the norm after their FMAs); off only to measure
         # it (bench/decode_ab.py --defer-ab)
         self.defer_norm = True
+        # ... and the norm after that MLP left to the next layer's fused in_proj launch where its weight is folded
+        # there (fold_norms); off only to measure it (bench/decode_ab.py --defer-next-ab)
+        self.defer_next = True
         # the layer prefixes whose post-attention norm weight is folded into their MLP's gate|up (fold_norms)
         self._folded: set[str] = set()
+        # the delta-net layers whose input norm weight is folded into their in_proj (fold_norms): the MLP before
+        # each leaves that norm to the layer's fused in_proj launch (out_mlp's defer_next)
+        self._folded_in: set[int] = set()
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
         self.pdl = False
@@ -252,6 +261,21 @@ class Model:
                 part.copy_((part.float() * scale[None, :]).to(part.dtype))
             post.zero_()
             self._folded.add(p)
+        # The norm after such an MLP where the next layer is a delta-net whose fused in_proj launch norms its own
+        # input (GemvProducts.rule_norms): its weight into that in_proj's columns, the MLP then storing s only.
+        for i, kind in enumerate(self.cfg.layer_types):
+            if i == 0 or kind == "full_attention" or i in self._folded_in or f"layers.{i - 1}." not in self._folded:
+                continue
+            w_in = self.w[f"layers.{i}.linear_attn.in_proj_packed"]
+            if not self._gemv.rule_norms(row, w_in):
+                continue
+            norm = self.w[f"layers.{i}.input_layernorm.weight"]
+            scale = 1.0 + norm.float()
+            for lo in range(0, w_in.shape[0], 4096):
+                part = w_in[lo : lo + 4096]
+                part.copy_((part.float() * scale[None, :]).to(part.dtype))
+            norm.zero_()
+            self._folded_in.add(i)
 
     def _mlp_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(packed gate|up, down) of every MLP of the model (its layers', the MTP head's)."""
@@ -280,15 +304,20 @@ class Model:
         post_norm: torch.Tensor,
         next_norm: torch.Tensor,
         eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_folded: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The rest of layer prefix p after its mixer's output a: proj_add_norm(a, out_w, residual, post_norm), then
         mlp_add_norm with the next norm -> (normed, new residual). On one GPU with the gemv kernels, where the MLP is
         one resident launch of one row, the projection leaves its norm to the MLP (GemvProducts.add_mlp_add_rmsnorm:
-        no norm at the end of the projection's launch; the same rows within a rounding)."""
+        no norm at the end of the projection's launch; the same rows within a rounding), and where next_folded (the
+        next layer's input norm is folded into its in_proj) the MLP leaves the next norm to that layer: (None,
+        residual)."""
         if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp and self.defer_norm:
             gate_up, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
             folded = p in self._folded
-            return self._gemv.add_mlp_add_rmsnorm(a, out_w, residual, post_norm, gate_up, down, next_norm, eps, folded)
+            return self._gemv.add_mlp_add_rmsnorm(
+                a, out_w, residual, post_norm, gate_up, down, next_norm, eps, folded, next_folded and self.defer_next
+            )
         h, residual = self.proj_add_norm(a, out_w, residual, post_norm, eps)
         return self.mlp_add_norm(p, h, residual, next_norm, eps)
 
@@ -329,9 +358,20 @@ class Model:
         return ops.attention_cached(q, k_cache, v_cache, start, self.scale, gate).reshape(t, -1)
 
     def _delta_net(
-        self, i: int, x: torch.Tensor, state: SessionState, start: int | torch.Tensor, recurrent: bool
+        self,
+        i: int,
+        x: torch.Tensor,
+        state: SessionState,
+        start: int | torch.Tensor,
+        recurrent: bool,
+        x_eps: float | None = None,
     ) -> torch.Tensor:
+        """Layer i's delta-net mixer on its normed input x, or (x_eps given: the MLP before left the norm to it) on the
+        residual stream x, whose norm has its weight folded into in_proj (fold_norms)."""
         cfg, w = self.cfg, self.w
+        fused = recurrent and self._gemv is not None and self.fuse_rule
+        if x_eps is not None and not fused:
+            x, x_eps = ops.rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps), None
         p = f"layers.{i}.linear_attn."
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -343,8 +383,9 @@ class Model:
                 state.conv_planes[i], w[p + "conv1d.weight"], hk, w[p + "neg_exp_A"], w[p + "dt_bias"],
                 state.delta_planes[i], start, w[p + "norm.weight"], cfg.rms_norm_eps,
             )  # fmt: skip
-            if self._gemv is not None and self.fuse_rule:  # with the product too, where a gemv kernel makes it
-                return self._gemv.conv_delta_rule_norm(x, w_in, *step).reshape(t, hv * dv)
+            if fused:  # with the product too, where a gemv kernel makes it
+                y = self._gemv.conv_delta_rule_norm(x, w_in, *step, self.rule_z_splits, x_eps)
+                return y.reshape(t, hv * dv)
             return ops.in_proj_step(self.linear(x, w_in), *step).reshape(t, hv * dv)
         qkv, z, b, a = self.linear(x, w_in).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
@@ -385,12 +426,24 @@ class Model:
             if kind == "full_attention":
                 a = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
                 out_w = w[p + "self_attn.o_proj.weight"]
+            elif h is None:  # the MLP before left this layer's input norm to its fused in_proj launch
+                a = self._delta_net(i, residual, state, start, recurrent, eps)
+                out_w = w[p + "linear_attn.out_proj.weight"]
             else:
                 a = self._delta_net(i, h, state, start, recurrent)
                 out_w = w[p + "linear_attn.out_proj.weight"]
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
-            h, residual = self.out_mlp(p, a, out_w, residual, w[p + "post_attention_layernorm.weight"], next_norm, eps)
+            h, residual = self.out_mlp(
+                p,
+                a,
+                out_w,
+                residual,
+                w[p + "post_attention_layernorm.weight"],
+                next_norm,
+                eps,
+                i + 1 in self._folded_in,
+            )
         return h
 
     def pick(
@@ -576,8 +629,10 @@ class Model:
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
+        tag = tag if self.rule_z_splits == _RULE_Z_SPLITS else (*tag, f"z in {self.rule_z_splits} splits")
         tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
         tag = tag if self.defer_norm else (*tag, "norm in the projection")
+        tag = tag if self.defer_next else (*tag, "norm in the MLP")
         return (*tag, self._head_version) if self._head_version else tag
 
     @property

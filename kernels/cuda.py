@@ -1118,6 +1118,21 @@ def _gemv_tile_width(name: str, block: tuple) -> int:
     return block[0] // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
 
 
+def gemv_rule_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
+    """Whether gemv_conv_delta_rule_norm given x_eps norms x in its own launch (the tensor-core forms of `variant`
+    for these operands), rather than rmsnorm first."""
+    if not (gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0] and x.dim() == 2 and x.shape[0] <= 24):
+        return False
+    return _gemv_launch(x, w, variant)[0].startswith("gemv_tc_")
+
+
+def _split_variant(x: torch.Tensor, w: torch.Tensor, variant: str | None, splits: int) -> str:
+    """The launch variant of x @ w^T that `variant` (None: the default) names, with `splits` K splits."""
+    name, _, block, _, _, _ = _gemv_launch(x, w, variant)
+    family = f"tc{name[-1]}" if name.startswith("gemv_tc_") else f"simt{name[-1]}"
+    return f"{family}.w{block[0] // 32}.s{splits}"
+
+
 def _dr_fits(splits, dkp, block, key_heads, hv, dk, dv, c, n, width, x) -> bool:
     """Whether the in_proj product's "_dr" form can run this launch: no K split, a rule size it is built for, a
     block of at least the rule's threads, every tile inside one head, an in_proj of C + Hv dv + 2 Hv columns, few
@@ -1150,12 +1165,23 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
+    z_splits: int = 1,
+    x_eps: float | None = None,
 ) -> torch.Tensor:
     """One launch: the delta-net's packed in_proj product of `variant` and the step after it (the kernel's "_dr"
     form: the product stored as gemv stores it, then conv_delta_rule_norm's kernel code run by the blocks that
     finish each key head's columns last), so the result, both rings and the planes are bit for bit gemv(x, w,
-    variant) then conv_delta_rule_norm. A variant that splits K, a block smaller than the rule's, a shape whose
-    tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops."""
+    variant) then conv_delta_rule_norm, except that with z_splits > 1 the z columns (the gate only the norm reads)
+    are made in that many K splits, each z tile by as many blocks (the launch's last wave fills the SMs), and have
+    the bits of gemv(x, w, the variant with z_splits splits). A variant that splits K, a block smaller than the
+    rule's, a shape whose tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the
+    two ops (z from the same splits).
+    x_eps given (the deferred norm): x is the residual stream, the layer's input norm has its weight folded into w
+    (Model.fold_norms), so the product's input is rmsnorm(x) with no weight; the tensor-core forms sum x's squares as
+    they read it and scale their sums by rsqrt(mean(x^2) + x_eps) after their mmas (within a rounding of the norm
+    then the product: the normed rows are not rounded to the dtype between them); any other form norms first."""
+    if x_eps is not None and not gemv_rule_norms(x, w, variant):
+        x, x_eps = _unit_rmsnorm(x, x_eps), None
     gcnt = None
     if gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0]:
         m, n = x.shape[0], w.shape[0]
@@ -1167,22 +1193,32 @@ def gemv_conv_delta_rule_norm(
             prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
             qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
             cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
-            gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
+            zchunk, zs = _gemv_splits(x.shape[1], z_splits)
+            slots = key_heads + 2 + hv * dv // width  # the groups', b | a's, the pieces', each z tile's
+            gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), slots) if cnt is not None else None
     if gcnt is None:  # the two ops
+        if x_eps is not None:
+            x = _unit_rmsnorm(x, x_eps)
+        prod = gemv(x, w, variant)
+        if z_splits > 1 and gemv_takes(x, w):
+            c, zc = conv_weight.shape[0], neg_exp_a.numel() * state_ring.shape[3]
+            prod[:, c : c + zc] = gemv(x, w, _split_variant(x, w, variant, z_splits))[:, c : c + zc]
         return reference.in_proj_step(
-            gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
-            eps, conv_delta_rule_norm,
+            prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps,
+            conv_delta_rule_norm,
         )  # fmt: skip
     y = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
     o = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
     sp, sv = _start_args(start, x.device)
     r = hv // key_heads
-    tiles = -(-2 * hv // width) + key_heads * (2 * dk + r * dv) // width + hv * dv // width  # b|a, q|k|v, z
+    tiles = -(-2 * hv // width) + key_heads * (2 * dk + r * dv) // width + zs * hv * dv // width  # b|a, q|k|v, z
+    zpart = torch.empty((zs, m, n), dtype=torch.float32, device=x.device) if zs > 1 else None
     args = la.GemvDeltaArgs(
         x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=prod, M=m, N=n, K=x.shape[1], vec_ok=int(_gemv_vec_ok(x, w)),
         cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
         ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
-        qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps,
+        qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps, zpart=zpart, zs=zs,
+        zchunk=zchunk, xnorm=int(x_eps is not None), xeps=0.0 if x_eps is None else x_eps,
     )  # fmt: skip
     _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y
@@ -2138,11 +2174,11 @@ def gemv_mlp_add_rmsnorm(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     variant: str | None = None,
     x_norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The MLP of one row and the residual add + norm after it in one launch (gemv_simt_m1_c{C}_mlp): the gate|up
     product with silu_mul (gemv_silu_mul's code, a warp a column, no K split, `variant`'s warps) and the down
     projection with the add and norm (gemv_add_rmsnorm's code with `variant`), the down blocks starting on each K
@@ -2156,13 +2192,17 @@ def gemv_mlp_add_rmsnorm(
     folded into w_gate_up (Model.fold_norms: W (1 + w) columnwise), so the MLP's input is rmsnorm(x) with no weight; a
     resident variant's activation warps sum x's squares as they read it and scale their two sums by rsqrt(mean(x^2) +
     eps) after their FMAs (within a rounding of the norm then the product: the normed row is not rounded to the
-    dtype between them); any other form norms first."""
+    dtype between them); any other form norms first.
+    weight None (the norm after it deferred to the next layer's product: gemv_conv_delta_rule_norm's x_eps): (None,
+    s); the resident form stores s only, any other form is gemv_silu_mul then gemv_add."""
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     fits = (
         gemv_mlp_fits(x, w_gate_up, w_down, variant)
         and gemv_kernels(x.device, x.dtype)[0]
         and _add_norm_operands_ok(x, residual, weight, 1, n)
     )
+    if weight is None and fits and not registry.parse_gemv_variant(variant)[0].startswith("res"):
+        fits = False  # s only: the resident form's
     if x_norm and not (fits and registry.parse_gemv_variant(variant)[0].startswith("res")):
         x, x_norm = _unit_rmsnorm(x, eps), False
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
@@ -2177,18 +2217,20 @@ def gemv_mlp_add_rmsnorm(
         grid = (_rmlp_grid(x, c, warps, i),)  # > 0: gemv_mlp_fits asked
     cnt = _counters(x.device, ("gemv", w_down.data_ptr()), ntiles + 2) if fits else None
     mkey = ("gemv_rmlp" if resident else "gemv_mlp", w_down.data_ptr(), variant)
-    mcnt = _counters(x.device, mkey, 1 if resident else 1 + splits) if cnt is not None else None
+    mcnt = _counters(x.device, mkey, 2 if resident else 1 + splits) if cnt is not None else None
     if mcnt is None:
         if x_norm:
             x = _unit_rmsnorm(x, eps)
         named = registry.parse_gemv_variant(variant) is not None
         gu, down = registry.gemv_mlp_launches(variant) if named else (None, variant)
+        if weight is None:
+            return None, gemv_add(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, down)
         return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up, gu), w_down, residual, weight, eps, down)
     act = torch.empty((1, i), dtype=x.dtype, device=x.device)
     part = torch.empty((splits, 1, n), dtype=torch.float32, device=x.device)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = None if weight is None else torch.empty((1, n), dtype=x.dtype, device=x.device)
     s = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    nw = _f32_norm_weight(weight)
+    nw = None if weight is None else _f32_norm_weight(weight)
     args = la.GemvMlpArgs(
         x=x, wg=w_gate_up, wgs=w_gate_up.stride(0), act=act, I=i, K=x.shape[1], wd=w_down, wds=w_down.stride(0),
         part=part, N=n, kchunk=kchunk, S=splits, r=residual, nw=nw, y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,

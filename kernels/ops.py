@@ -138,6 +138,16 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
 
 
+def gemv_rule_norms(x, w, variant) -> bool:
+    """Whether gemv_conv_delta_rule_norm given x_eps norms the rows x in its own launch (with the CUDA kernels bound),
+    rather than rmsnorm first."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_rule_norms(x, w, variant)
+
+
 def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:
     """Whether gemv_silu_mul of `variant` is one launch for these operands (with the CUDA kernels bound)."""
     if not _cuda_enabled:

@@ -359,10 +359,16 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
+    z_splits: int = 1,
+    x_eps: float | None = None,
 ) -> torch.Tensor:
     """The delta-net's decode step from its input rows x [T, K]: the packed in_proj product x @ w^T (gemv), then
     conv_delta_rule_norm of its columns (in_proj_step): y [T, Hv, dv]. One launch on a GPU where a gemv kernel
-    makes the product; `variant` names that kernel's launch and means nothing here."""
+    makes the product; `variant` names that kernel's launch and `z_splits` the K splits of its z columns, and
+    neither means anything here. x_eps given (the deferred norm): x is the residual stream before the layer's input
+    norm, whose weight is folded into w (Model.fold_norms), so the product's input is rmsnorm(x) with no weight."""
+    if x_eps is not None:
+        x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
     return in_proj_step(
         gemv(x, w), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
     )
@@ -478,18 +484,20 @@ def gemv_mlp_add_rmsnorm(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     residual: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     variant: str | None = None,
     x_norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The MLP (packed gate|up [2 I, K], down [N, I]) and the residual add + norm after it: gemv_add_rmsnorm(
     gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps) -> (rmsnorm(s), s). `variant` names the down
     product's launch; the CUDA form makes all of it in one launch for one row. x_norm: x is the residual stream
     before its norm (gemv_add's s) and that norm's weight is folded into w_gate_up, so the MLP's input is rmsnorm(x)
-    with no weight (the deferred norm)."""
+    with no weight (the deferred norm). weight None (the norm after it deferred to the next layer): (None, s)."""
     if x_norm:
         x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
+    if weight is None:
+        return None, gemv_add(gemv_silu_mul(x, w_gate_up), w_down, residual, variant)
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 

@@ -285,17 +285,17 @@ def test_the_pick_rule_is_part_of_the_cache_key(fake, tmp_path):
 
 def test_the_delta_step_takes_the_fused_launch_only_for_large_weights_and_says_so(fake, monkeypatch):
     """The delta-net's in_proj product + step: a gemv choice for a weight of at least _RULE_MIN_BYTES goes to the
-    one-launch form with its tensor-core variant (and `labels` shows that variant beside the choice), a smaller
+    one-launch form with its tensor-core variant and z splits (and `labels` shows that variant beside the choice), a smaller
     weight or mode "exact" to the choice then the step, a cuBLAS choice to F.linear then the step."""
     fused, steps = [], []
-    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step: fused.append(step[-1]) or "one")
+    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step: fused.append(step[-3:]) or "one")
     monkeypatch.setattr(ops, "in_proj_step", lambda prod, *step: steps.append(prod.shape) or "two")
     monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 128 * 32 * 4)
     step = (None,) * 9
     x = torch.randn(1, 32)
     p = products("cupy")
     assert p.conv_delta_rule_norm(x, torch.randn(128, 32), *step) == "one"
-    assert fused == [gemm._RULE_VARIANT]
+    assert fused == [(gemm._RULE_VARIANT, gemm._RULE_Z_SPLITS, None)]  # its z in the engine's splits, x normed
     assert p.labels["128x32 m1"] == f"{gemm._RULE_VARIANT} with the delta step (simt2.w4.s1 alone)"
     assert p.conv_delta_rule_norm(x, torch.randn(64, 32), *step) == "two"  # under the size: the two launches
     assert fake["gemv"][-1] == "simt2.w4.s1" and p.labels["64x32 m1"] == "simt2.w4.s1"
@@ -499,9 +499,11 @@ def test_the_norm_before_a_resident_mlp_of_one_row_is_left_to_it(fake, monkeypat
 
 def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once(tiny_model_dir):
     """Model.fold_norms (set_gemm, where the MLP of one row is resident): each such MLP's gate|up takes its norm's
-    weight (W (1 + w) columnwise) and the norm's weight becomes zero; the model's hidden states stay within fp32
-    rounding of the unfolded model's; a second call changes nothing; an MLP auto did not make
-    resident, or mode "exact", is left as it was."""
+    weight (W (1 + w) columnwise) and the norm's weight becomes zero, and so does the input norm of each delta-net
+    layer after such an MLP whose fused in_proj launch norms its input (GemvProducts.rule_norms: into its in_proj);
+    the model's hidden states stay within fp32 rounding of the unfolded model's; a second call changes nothing; an
+    MLP auto did not make resident, a layer after an MLP left as it was, an attention layer, or mode "exact", is
+    left as it was."""
     from engine import Engine
 
     eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
@@ -520,6 +522,11 @@ def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once
         def mlp_choice(self, row, gu, down):
             return "res2.w8.s1" if gu.data_ptr() in self.resident else "cublas"
 
+        def rule_norms(self, row, w_in):  # every in_proj's fused launch norms its input
+            return row.shape == (1, w_in.shape[1])
+
+    in_projs = {n: t.clone() for n, t in m.w.items() if n.endswith("in_proj_packed")}
+    inputs = {n: t.clone() for n, t in m.w.items() if n.endswith("input_layernorm.weight")}
     first = next(iter(gate_ups))
     m._gemv = Resident({m.w[first].data_ptr()})
     m._gemv.mode = "exact"
@@ -532,12 +539,24 @@ def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once
     assert not torch.equal(m.w[first], gate_ups[first])
     others = [n for n in gate_ups if n != first]
     assert all(torch.equal(m.w[n], gate_ups[n]) for n in others)  # not resident: as it was
+    layer = int(first.split(".")[1])  # the layer after the folded MLP: its in_proj folded if it is a delta-net
+    after_first = {f"layers.{layer + 1}.linear_attn.in_proj_packed"} & set(in_projs)
+    assert m._folded_in == {layer + 1 for _ in after_first}
+    for n, t in in_projs.items():
+        assert torch.equal(m.w[n], t) != (n in after_first), n
+    types = m.cfg.layer_types
     m._gemv = Resident({t.data_ptr() for n, t in m.w.items() if n.endswith("mlp.gate_up_packed")})
     m.fold_norms()
     folded = {n: m.w[n].clone() for n in gate_ups}
     m.fold_norms()  # once a layer
     assert all(torch.equal(m.w[n], folded[n]) for n in gate_ups)
     assert all(t.count_nonzero() == 0 for n, t in m.w.items() if n.endswith("post_attention_layernorm.weight"))
+    delta_after = {i for i in range(1, len(types)) if types[i] != "full_attention"}
+    assert m._folded_in == delta_after and delta_after  # every delta-net layer but the first
+    for n, t in inputs.items():
+        i = int(n.split(".")[1]) if n.startswith("layers.") else -1
+        assert (m.w[n].count_nonzero() == 0) == (i in delta_after), n  # attention, layer 0, the MTP head: as it was
+        assert i in delta_after or torch.equal(m.w[n], t), n
     m._gemv = None
     after = m.forward_layers(ids, eng.new_session().state, 0, False)
     assert torch.allclose(after, before, atol=1e-5, rtol=1e-4)

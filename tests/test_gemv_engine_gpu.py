@@ -190,3 +190,55 @@ def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, ba
             assert eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens == want, (w.name, defer)
     eng.model.defer_norm = True
     eng.close()
+
+
+def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16(path, monkeypatch):
+    """Where a resident MLP of one row is followed by a delta-net layer whose fused in_proj launch norms its input
+    (here for any in_proj size), that layer's input norm is folded into its in_proj (its weight zero) and the MLP
+    stores the residual stream only, the in_proj launch scaling its sums by the norm (x_eps): a one-token forward
+    launches each such MLP with no norm and each such in_proj with its norm, nothing falls back, and the hidden
+    state is within bf16 rounding of the same folded model with the norm made in the MLP and of the unfolded
+    model's; a captured plan gives the eager tokens."""
+    import kernels.cuda as kc
+    from engine import gemm
+
+    monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 0)
+    plain = Engine.load(path, device="cuda", dtype="bfloat16", gemm="cupy")
+    eng = Engine.load(path, device="cuda", dtype="bfloat16", gemm="cupy")
+    g = eng.model._gemv
+    g.mlp_choices = {key: "res2.w8.s1" for key in g.mlp_choices}
+    eng.model.fold_norms()
+    folded_in = sorted(eng.model._folded_in)
+    if not folded_in:
+        pytest.skip("the bundled model's MLP or in_proj does not take the resident / fused forms")
+    for i in folded_in:
+        assert eng.model.w[f"layers.{i}.input_layernorm.weight"].count_nonzero().item() == 0
+    launched, real = [], kc._launch_gemv
+
+    def record(name, dtype, device, grid, block, args, *rest, **kw):
+        if name.endswith("_rmlp") and args.y is None:
+            launched.append("mlp, no norm")
+        elif "_dr" in name and args.xnorm:
+            launched.append("in_proj with its norm")
+        return real(name, dtype, device, grid, block, args, *rest, **kw)
+
+    monkeypatch.setattr(kc, "_launch_gemv", record)
+    before = dict(ops.fallbacks())
+    ids = torch.tensor([11], device="cuda")
+    hidden = {}
+    for defer in (True, False):
+        eng.model.defer_next = defer
+        launched.clear()
+        hidden[defer] = eng.model.forward(ids, eng.new_session().state).float()
+        n = len(folded_in) if defer else 0
+        assert launched == ["mlp, no norm", "in_proj with its norm"] * n, (defer, launched)
+    eng.model.defer_next = True
+    assert ops.fallbacks() == before
+    unfolded = plain.model.forward(ids, plain.new_session().state).float()
+    for want, what in ((hidden[False], "the norm in the MLP"), (unfolded, "unfolded")):
+        torch.testing.assert_close(hidden[True], want, rtol=5e-2, atol=3e-2 * want.abs().max().item(), msg=what)
+    prompt = "def f(x):"
+    eager = eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=0)).tokens
+    assert eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=8)).tokens == eager
+    eng.close()
+    plain.close()

@@ -432,11 +432,20 @@ def _delta_layer(hk, hv, dk, dv, k, dtype, n_planes=24):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hk,hv,dk,dv,k", DELTA_SHAPES)
+def _product_z_split(kc, x, w, variant, zs, c, zc):
+    """gemv(x, w, variant) with its z columns [c, c + zc) those of the same variant in zs K splits."""
+    prod = kc.gemv(x, w, variant)
+    if zs > 1:
+        prod[:, c : c + zc] = kc.gemv(x, w, kc._split_variant(x, w, variant, zs))[:, c : c + zc]
+    return prod
+
+
 def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monkeypatch):
     """The packed in_proj product and the decode step after it (conv + SiLU, gates, rule, norm) in one launch
-    for every launch variant without K splits and 1, 4 and 17 rows: the output, the conv ring and the rule's
-    planes bit for bit the product's kernel then conv_delta_rule_norm's, the launch's group counters back at
-    zero, and close to the reference. Where its tiles would straddle a head (or the variant splits K), the two
+    for every launch variant without K splits and 1, 4 and 17 rows, its z columns made in 1, 2 and 3 K splits
+    (each z tile by that many blocks): the output, the conv ring and the rule's planes bit for bit the product's
+    kernel (z: the variant with those splits) then conv_delta_rule_norm's, the launch's group and z counters back
+    at zero, and close to the reference. Where its tiles would straddle a head (or the variant splits K), the two
     launches, with the same result."""
     lay = _delta_layer(hk, hv, dk, dv, k, dtype)
     start = torch.tensor([7], device=CUDA)
@@ -447,25 +456,33 @@ def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monk
     real = kc._launch_gemv
     monkeypatch.setattr(kc, "_launch_gemv", lambda name, *a, **kw: launched.append(name) or real(name, *a, **kw))
     before = dict(kc.registry.fallbacks())
+    c, zc = 2 * hk * dk + hv * dv, hv * dv
     for m in (1, 4, 17):
         x = rows(m, k, dtype, seed=m + k)
-        for variant in [*DELTA_VARIANTS, "simt2.w4.s2"]:
-            label = f"{m} rows {dtype} {variant} {hk, hv, dk, dv}"
+        for variant, zs in [(v, 1) for v in DELTA_VARIANTS] + [(v, zs) for v in ("tc2.w8.s1", "simt1.w4.s1")
+                                                              for zs in (2, 3)] + [("simt2.w4.s2", 1)]:  # fmt: skip
+            label = f"{m} rows {dtype} {variant} z in {zs} {hk, hv, dk, dv}"
             conv, state = lay["conv0"].clone(), lay["state0"].clone()
             launched.clear()
-            y = kc.gemv_conv_delta_rule_norm(x, lay["w"], *step(conv, state), variant)
+            y = kc.gemv_conv_delta_rule_norm(x, lay["w"], *step(conv, state), variant, zs)
             plain = kc._gemv_launch(x, lay["w"], variant)  # (name, grid, block, smem, kchunk, splits)
             name, block = plain[0], plain[2][0]
             width = block // 32 * int(name[-1]) if name.startswith("gemv_simt_") else 16 * int(name[-1])
             if dk % width == 0 and dv % width == 0 and plain[5] == 1:  # every tile inside one head, no K split
                 assert launched == [f"{plain[0]}_dr{64 if dk <= 64 else 128}"], label
-                assert kc._counters(CUDA, gcnt_key, hk + 2).count_nonzero().item() == 0, label
+                counters = kc._counters(CUDA, gcnt_key, hk + 2 + zc // width)  # groups, b | a, pieces, z tiles
+                assert counters.count_nonzero().item() == 0, label
             else:
                 assert launched[0] == plain[0] and not any("_dr" in name for name in launched), label
             conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
-            want = ref.in_proj_step(kc.gemv(x, lay["w"], variant), *step(conv2, state2), kc.conv_delta_rule_norm)
+            prod = _product_z_split(kc, x, lay["w"], variant, zs, c, zc)
+            want = ref.in_proj_step(prod, *step(conv2, state2), kc.conv_delta_rule_norm)
             assert torch.equal(y, want), label
             assert torch.equal(conv, conv2) and torch.equal(state, state2), label
+            if zs > 1 and m == 4:  # the splits change z's bits, not its value
+                alone = ref.in_proj_step(kc.gemv(x, lay["w"], variant), *step(lay["conv0"].clone(),
+                                         lay["state0"].clone()), kc.conv_delta_rule_norm)  # fmt: skip
+                close(y, alone, label)
         rconv, rstate = lay["conv0"].clone(), lay["state0"].clone()
         expect = ref.gemv_conv_delta_rule_norm(x, lay["w"], *step(rconv, rstate))
         close(y, expect, f"{m} rows {dtype} reference")
@@ -476,6 +493,7 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
     """A captured fused launch replayed with new rows and state equals eager calls each time (its counters are
     left at zero by every launch), and GemvProducts (what the model calls) takes it (with the tc2.w8.s1 product)
     for a gemv choice and the two launches for cuBLAS, with the same result as ops.in_proj_step."""
+    from engine import gemm
     from engine.gemm import GemvProducts
 
     hk, hv, dk, dv, k = 16, 32, 128, 128, 4096
@@ -485,13 +503,14 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
                                 lay["norm_w"], 1e-6)  # fmt: skip
     x = rows(1, k, torch.bfloat16, seed=5)
     x_in, conv_in, state_in = x.clone(), lay["conv0"].clone(), lay["state0"].clone()
-    kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in.clone(), state_in.clone()), "tc2.w8.s1")  # eager
+    zs = gemm._RULE_Z_SPLITS  # the engine's
+    kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in.clone(), state_in.clone()), "tc2.w8.s1", zs)  # eager
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            y_out = kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in, state_in), "tc2.w8.s1")
+            y_out = kc.gemv_conv_delta_rule_norm(x_in, lay["w"], *step(conv_in, state_in), "tc2.w8.s1", zs)
     torch.cuda.current_stream().wait_stream(stream)
     for scale in (0.5, 2.0, 1.0):
         x_in.copy_(x * scale)
@@ -499,7 +518,7 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
         state_in.copy_(lay["state0"])
         graph.replay()
         conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
-        want = kc.gemv_conv_delta_rule_norm(x * scale, lay["w"], *step(conv2, state2), "tc2.w8.s1")
+        want = kc.gemv_conv_delta_rule_norm(x * scale, lay["w"], *step(conv2, state2), "tc2.w8.s1", zs)
         torch.cuda.synchronize()
         assert torch.equal(y_out, want) and torch.equal(conv_in, conv2) and torch.equal(state_in, state2), scale
     from kernels import ops
@@ -521,7 +540,12 @@ def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
                 kc._launch_gemv = real
             assert launched == (["gemv_tc_t1_c2_dr128"] if choice != "cublas" else []), choice  # tc2.w8.s1
             conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
-            prod = kc.gemv(x, lay["w"], "tc2.w8.s1") if choice != "cublas" else torch.nn.functional.linear(x, lay["w"])
+            if choice != "cublas":  # its z in the engine's splits
+                prod = _product_z_split(
+                    kc, x, lay["w"], "tc2.w8.s1", gemm._RULE_Z_SPLITS, 2 * hk * dk + hv * dv, hv * dv
+                )
+            else:
+                prod = torch.nn.functional.linear(x, lay["w"])
             want = ops.in_proj_step(prod, *step(conv2, state2))
             assert torch.equal(y, want) and torch.equal(state, state2) and torch.equal(conv, conv2), choice
     finally:
@@ -664,7 +688,7 @@ def test_gemv_mlp_add_rmsnorm_back_to_back_replays(kc, pdl):
             # every launch hands its ticket and chunk counters back at zero, or the next one would wait forever
             splits = kc._gemv_splits(i, kc.registry.parse_gemv_variant(variant)[2])[1]
             if variant.startswith("res"):
-                mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+                mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 2)
             else:
                 mcnt = kc._counters(CUDA, ("gemv_mlp", down.data_ptr(), variant), 1 + splits)
             assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
@@ -750,5 +774,87 @@ def test_the_resident_mlp_scales_by_its_deferred_norm_after_its_products(kc, dty
         want = deferred(a, r)
         torch.cuda.synchronize()
         assert all(torch.equal(p, q) for p, q in zip(outs, want, strict=True)), (variant, seed)
-    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 1)
+    mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 2)
     assert mcnt is not None and mcnt.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hk,hv,dk,dv,k", [(16, 32, 128, 128, 4096), (2, 4, 64, 64, 384)])
+def test_the_norm_after_the_resident_mlp_deferred_into_the_fused_in_proj(kc, dtype, hk, hv, dk, dv, k):
+    """The norm after a resident MLP left to the next delta-net layer (its weight folded into in_proj): the MLP given
+    no norm weight stores the residual stream only (bit for bit what it stores with one, its counters back at zero
+    every launch), and the fused in_proj launch given x_eps sums the stream's squares as its tensor-core tiles read
+    it and scales their sums by the norm after the mmas (z in 1 and 2 splits): one launch, the output, the conv ring
+    and the planes close to the norm (zero weight) then the folded launch and to the reference on the unfolded
+    weight; captured and replayed on new rows, the eager bits. A CUDA-core variant norms first: the bits of rmsnorm
+    then its launch."""
+    if not kc._tensor_cores(dtype, CUDA):
+        pytest.skip("the fused in_proj's in-launch norm is the tensor-core forms'")
+    i = 1024
+    gu, down = weight(2 * i, k, dtype), weight(k, i, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(11)
+    nxt, zero = torch.randn(k, device=CUDA, generator=g) * 0.1, torch.zeros(k, device=CUDA)
+    x, r = rows(1, k, dtype, seed=3), rows(1, k, dtype, seed=4)
+    (y, s), names = _launched(kc, lambda: kc.gemv_mlp_add_rmsnorm(x, gu, down, r, None, 1e-6, "res2.w8.s1"))
+    assert y is None and names == ["gemv_simt_m1_c2_rmlp"], names
+    for _ in range(2):  # its counters left at zero: the next launch the same
+        assert torch.equal(kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nxt, 1e-6, "res2.w8.s1")[1], s)
+        assert torch.equal(kc.gemv_mlp_add_rmsnorm(x, gu, down, r, None, 1e-6, "res2.w8.s1")[1], s)
+    assert kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), "res2.w8.s1"), 2).count_nonzero().item() == 0
+
+    lay = _delta_layer(hk, hv, dk, dv, k, dtype)
+    w_in = torch.randn(k, device=CUDA, generator=g) * 0.1  # the layer's input norm weight (zero-centred)
+    folded = (lay["w"].float() * (1.0 + w_in)[None, :]).to(dtype)
+    start = torch.tensor([5], device=CUDA)
+    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
+                                lay["norm_w"], 1e-6)  # fmt: skip
+    rtol, scale = {torch.bfloat16: (2.5e-2, 2e-3), torch.float16: (3e-3, 1e-3)}[dtype]
+
+    def near(got, want, what):
+        atol = scale * want.float().abs().max().item()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{dtype} {what}: {m}")
+
+    for m in (1, 4):
+        sm = rows(m, k, dtype, seed=50 + m) * 3.0  # the residual stream, not unit-normed
+        for zs in (1, 2):
+            label = f"{m} rows, z in {zs}"
+            runs = {}
+            for how in ("in launch", "norm first", "reference"):
+                conv, state = lay["conv0"].clone(), lay["state0"].clone()
+                if how == "in launch":
+                    fused = lambda sm=sm, conv=conv, state=state, zs=zs: kc.gemv_conv_delta_rule_norm(  # noqa: E731
+                        sm, folded, *step(conv, state), "tc2.w8.s1", zs, 1e-6
+                    )
+                    out, names = _launched(kc, fused)
+                    assert len(names) == 1 and names[0].endswith("_dr" + ("64" if dk <= 64 else "128")), names
+                elif how == "norm first":
+                    h = kc.rmsnorm(sm, zero, 1e-6)
+                    out = kc.gemv_conv_delta_rule_norm(h, folded, *step(conv, state), "tc2.w8.s1", zs)
+                else:
+                    h = ref.rmsnorm(sm, w_in, 1e-6)
+                    out = ref.gemv_conv_delta_rule_norm(h, lay["w"], *step(conv, state))
+                runs[how] = (out, conv, state)
+            for how in ("norm first", "reference"):
+                for got, want, what in zip(runs["in launch"], runs[how], ("y", "conv ring", "planes"), strict=True):
+                    near(got, want, f"{label} {what} against {how}")
+            counters = kc._counters(CUDA, ("gdr_in", lay["neg_exp_a"].data_ptr()), hk + 2 + hv * dv // 32)
+            assert counters.count_nonzero().item() == 0, label
+        conv, state = lay["conv0"].clone(), lay["state0"].clone()  # CUDA cores: rmsnorm first, then the launch
+        got = kc.gemv_conv_delta_rule_norm(sm, folded, *step(conv, state), "simt1.w8.s1", 1, 1e-6)
+        conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+        want = kc.gemv_conv_delta_rule_norm(kc.rmsnorm(sm, zero, 1e-6), folded, *step(conv2, state2), "simt1.w8.s1")
+        assert torch.equal(got, want) and torch.equal(conv, conv2) and torch.equal(state, state2), m
+
+    x_in, conv_in, state_in = rows(1, k, dtype, seed=60), lay["conv0"].clone(), lay["state0"].clone()
+    graph, outs = captured(lambda: kc.gemv_conv_delta_rule_norm(x_in, folded, *step(conv_in, state_in), "tc2.w8.s1",
+                                                                2, 1e-6))  # fmt: skip
+    for seed in range(3):
+        xs = rows(1, k, dtype, seed=70 + seed) * (1.0 + seed)
+        x_in.copy_(xs)
+        conv_in.copy_(lay["conv0"])
+        state_in.copy_(lay["state0"])
+        graph.replay()
+        conv2, state2 = lay["conv0"].clone(), lay["state0"].clone()
+        want = kc.gemv_conv_delta_rule_norm(xs, folded, *step(conv2, state2), "tc2.w8.s1", 2, 1e-6)
+        torch.cuda.synchronize()
+        assert torch.equal(outs, want) and torch.equal(conv_in, conv2) and torch.equal(state_in, state2), seed

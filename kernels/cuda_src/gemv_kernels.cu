@@ -704,7 +704,10 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 // norm): x is the residual stream s and wg carries its norm's weight (folded), each activation warp scales its two
 // sums by rsqrt(mean(s^2) + eps) after its FMAs (gv_simt_cols NX): within a rounding of the norm then the product
 // (y is not rounded to the dtype between them), and nothing waits for the norm. The launch's last
-// tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. A block waits only
+// tile (gv_add_norm's) leaves mcnt and cnt at zero; every block has counted in at mcnt by then. y == nullptr (the
+// norm after it deferred to the next layer's product, kernels/cuda.py gemv_conv_delta_rule_norm's x_eps): s only,
+// and mcnt[0] (the arrivals) is reset with mcnt[1] by the last block past its wait (no block reads them again in
+// this launch). A block waits only
 // while every block is resident (the grid is sized so), so the wait always ends (no
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
 // warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
@@ -747,7 +750,16 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);  // in flight during the wait and the staging
         if (!staged) {
-            if (threadIdx.x == 0) gv_wait_count(mcnt, (int)gridDim.x);
+            if (threadIdx.x == 0) {
+                gv_wait_count(mcnt, (int)gridDim.x);
+                if (y == nullptr) {  // no norm at the end to reset mcnt: the last block past the wait does (mcnt[1])
+                    const int passers = ntiles < (int)gridDim.x ? ntiles : (int)gridDim.x;  // each waits once
+                    if (atomicAdd(mcnt + 1, 1) == passers - 1) {
+                        mcnt[1] = 0;
+                        mcnt[0] = 0;
+                    }
+                }
+            }
             __syncthreads();
             for (int i = threadIdx.x; i < v1; i += blockDim.x) gv_act4[i] = gv_ld_cg(act + (long long)i * GV_VEC);
             __syncthreads();
@@ -846,10 +858,15 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // Tile rows: 16 ct + 8 h + g is W row nb + 16 ct + 8 h + g (nb = 16 CT blockIdx.x). The activation form (SM,
 // N = I): output column o = ob + 8 ct + g (ob = 8 CT blockIdx.x) has its gate row o in tile row 16 ct + g and
 // its up row I + o in tile row 16 ct + 8 + g, so a tile makes 8 CT output columns.
-template <int MT, int CT, bool EPI, bool SM>
+// NX (the fused in_proj forms, x the residual stream whose norm's weight is folded into W): each lane also sums the
+// squares of the x it loads; the warps' sums, added in warp order, are the block's per row over its K range, left
+// in nxq [8 MT] (shared), and where the block stores the product (no part) its sums are scaled by
+// rsqrt(nxq / K + xeps) after every mma (within a rounding of the norm then the product).
+template <int MT, int CT, bool EPI, bool SM, bool NX = false>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk, const GvEpi& epi, int bx) {
+                                      int N, int K, int kchunk, const GvEpi& epi, int bx, int split = -1,
+                                      float xeps = 0.f, float* nxq = nullptr) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
@@ -858,7 +875,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     const int g = lane >> 2, t = lane & 3;
     const long long nb = (long long)bx * (16 * CT);
     const long long ob = (long long)bx * (8 * CT);
-    const int s = blockIdx.y;
+    const int s = split >= 0 ? split : (int)blockIdx.y;  // split >= 0: the fused in_proj form's z parts
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const int nsteps = (k1 - k0 + 63) >> 6;
@@ -893,6 +910,9 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         for (int j = 0; j < MT; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[ct][j][i] = 0.f;
+    float ssq[MT];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) ssq[j] = 0.f;
 
     uint4 zero;
     zero.x = zero.y = zero.z = zero.w = 0u;
@@ -925,6 +945,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             _Pragma("unroll") for (int j = 0; j < MT; ++j) {                                                      \
                 xb[u][j][0] = in0 && xin[j] ? gv_ld_x(xp[j] + stp * 64) : zero;                                   \
                 xb[u][j][1] = in1 && xin[j] ? gv_ld_x(xp[j] + stp * 64 + 32) : zero;                              \
+                if (NX) ssq[j] += gv_sum_squares(xb[u][j][0]) + gv_sum_squares(xb[u][j][1]);                      \
             }                                                                                                     \
         }                                                                                                         \
         _Pragma("unroll") for (int u = 0; u < U; ++u) _Pragma("unroll") for (int v = 0; v < 2; ++v)               \
@@ -958,6 +979,15 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
 #undef GV_TC_IN
 
     // The warps' tiles, [8 MT rows][16 CT tile rows] each, added in warp order.
+    __shared__ float gv_nxw[GV_MAX_WARPS * 8 * MT];  // NX: the warps' sums of squares, [warp][8 MT rows]
+    if (NX)
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            float q = ssq[j];  // lane (g, t): row 8 j + g, a quarter of each step
+            q += __shfl_xor_sync(0xffffffffu, q, 1);
+            q += __shfl_xor_sync(0xffffffffu, q, 2);
+            if (t == 0) gv_nxw[warp * 8 * MT + 8 * j + g] = q;
+        }
     float* r = gv_red + warp * RW;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct)
@@ -967,6 +997,14 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             for (int i = 0; i < 4; ++i)
                 r[(8 * j + 2 * t + (i & 1)) * (16 * CT) + 16 * ct + g + 8 * (i >> 1)] = acc[ct][j][i];
     __syncthreads();
+    if (NX) {
+        if (threadIdx.x < 8 * MT) {
+            float q = 0.f;
+            for (int wi = 0; wi < nw; ++wi) q += gv_nxw[wi * 8 * MT + threadIdx.x];
+            nxq[threadIdx.x] = q;
+        }
+        __syncthreads();
+    }
     if (SM) {
         for (int e = threadIdx.x; e < 8 * CT * M; e += blockDim.x) {
             const int m = e / (8 * CT), ol = e % (8 * CT);  // neighbouring threads: neighbouring columns
@@ -985,6 +1023,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             if (n >= N) continue;
             float sum = 0.f;
             for (int wi = 0; wi < nw; ++wi) sum += gv_red[wi * RW + m * (16 * CT) + nl];
+            if (NX && part == nullptr) sum *= rsqrtf(nxq[m] / (float)K + xeps);
             gv_store(out, part, s, M, N, m, n, sum);
         }
         if (EPI) gv_add_norm(part, gridDim.y, M, N, nb, 16 * CT, epi);
@@ -1086,6 +1125,11 @@ extern "C" __global__ void gemv_combine_sm(const float* __restrict__ part, scala
 //    pieces, the last block runs the rest.
 //  - A value head's norm needs its ceil(dv / 32) pieces and its dv / width z tiles: each counts in at the head's
 //    counter (ncnt[h]) when done, and whichever comes last norms the head's rows (no waiting).
+//  - zs > 1: each z tile is made by zs blocks, one K split each (kchunk zchunk), their fp32 partials in zpart
+//    [zs, M, N] and joined by the last to arrive (gv_dr_zjoin, counters gcnt[Hk + 2 + tile]; no waiting), so z
+//    has the bits of the plain launch with zs splits. Why: 9B-like, the 386 tiles of 32 columns are 1.46 waves of
+//    2 blocks an SM, and the last 122 (z) ran one block an SM at ~60% of the copy speed (bench/results/
+//    h200-tail-trace-2026-12-05.txt); as 256 half tiles the second wave fills the SMs.
 //  - Deadlock-free whatever order the blocks are scheduled in: a block waits only after its own tile is stored,
 //    at most P - 1 per group wait at once, and kernels/cuda.py launches this form only where Hk (P - 1) is below
 //    the SM count (fewer than the blocks the GPU holds at once), so a block whose tile is missing always finds
@@ -1110,9 +1154,11 @@ template <typename T> __device__ __forceinline__ float rnd(float f) { return to_
 #include "delta_rule.cuh"
 
 // The first column of tile bx in the rule's order, and what it holds: group >= 0, the q | k | v columns of key
-// head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group.
-__device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk, int Hv, int dk, int dv,
-                                                int& group) {
+// head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group. With zs > 1 each z tile is
+// zs blocks, its K splits side by side (zsp: this block's split; -1 for every other tile).
+__device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk, int Hv, int dk, int dv, int zs,
+                                                int& group, int& zsp) {
+    zsp = -1;
     const int r = Hv / Hk;
     const int n_ab = (2 * Hv + width - 1) / width;
     if (bx < n_ab) {
@@ -1122,7 +1168,9 @@ __device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk
     const int per = (2 * dk + r * dv) / width;
     const int b = bx - n_ab;
     if (b >= Hk * per) {  // z, head by head
-        const long long zc = (long long)(b - Hk * per) * width;
+        const int zb = b - Hk * per;
+        if (zs > 1) zsp = zb % zs;
+        const long long zc = (long long)(zs > 1 ? zb / zs : zb) * width;
         group = -2 - (int)(zc / dv);
         return (long long)C + zc;
     }
@@ -1184,6 +1232,45 @@ __device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t*
     gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
 }
 
+// A z tile made in zs K splits (zsp >= 0): called by every thread once the block's split is stored in zpart
+// [zs, M, N] (fp32). The last of the tile's splits to count in (zcnt: its counter, left at zero) adds them in split
+// order and rounds once (gemv_combine's arithmetic, so z has the bits of the plain launch with zs splits), stores
+// the tile's columns of prod and returns true: it then counts in at the head's norm as a whole z tile would.
+// nxq given (x normed in the launch, NX): the block's sums of squares over its split (gv_tc's nxq), kept in zpart's
+// column ztile of each row (a q column, which no z split stores); the last adds the splits' sums in split order and
+// scales the tile's sums by rsqrt(sum / K + xeps).
+__device__ __forceinline__ bool gv_dr_zjoin(long long n0, int width, int zs, int M, int N, float* zpart, int* zcnt,
+                                            scalar_t* prod, const float* nxq, int zsp, int ztile, int K, float xeps) {
+    __shared__ int s_zlast;
+    __shared__ float s_rsq[24];  // the rows' scales (M <= 24: the tensor-core forms' rows)
+    if (nxq != nullptr && (int)threadIdx.x < M) zpart[((long long)zsp * M + threadIdx.x) * N + ztile] = nxq[threadIdx.x];
+    __syncthreads();  // the block's split is stored
+    if (threadIdx.x == 0) {
+        int old;  // release: this split; acquire: the others'
+        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(zcnt) : "memory");
+        s_zlast = old == zs - 1;
+        if (s_zlast) *zcnt = 0;
+    }
+    __syncthreads();
+    if (!s_zlast) return false;
+    if (nxq != nullptr) {
+        if ((int)threadIdx.x < M) {
+            float q = 0.f;
+            for (int sp = 0; sp < zs; ++sp) q += __ldcg(zpart + ((long long)sp * M + threadIdx.x) * N + ztile);
+            s_rsq[threadIdx.x] = rsqrtf(q / (float)K + xeps);
+        }
+        __syncthreads();
+    }
+    for (int e = threadIdx.x; e < width * M; e += blockDim.x) {
+        const int m = e / width;  // neighbouring threads: neighbouring columns
+        const long long i = (long long)m * N + n0 + e % width;
+        float sum = 0.f;
+        for (int sp = 0; sp < zs; ++sp) sum += __ldcg(zpart + (long long)sp * M * N + i);
+        prod[i] = gv_out(nxq != nullptr ? sum * s_rsq[m] : sum);
+    }
+    return true;
+}
+
 // Called by every thread once the block's tile (of `group`, gv_dr_tile) of the product is stored in prod [M, N].
 template <int DK>
 __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t* prod, int M, int N, const GvDr& d) {
@@ -1238,13 +1325,19 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps) {                                                                       \
+        int* ncnt, int* gcnt, float eps, float* zpart, int zs, int zchunk, int xnorm, float xeps) {             \
         PDL_TRIGGER();                                                                                            \
+        (void)xnorm; /* x normed first on CUDA cores: kernels/cuda.py */                                         \
+        (void)xeps;                                                                                               \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
-        int group;                                                                                               \
-        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
-        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{},             \
-                                           (int)(n0 / width));                                                   \
+        int group, zsp;                                                                                          \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, zs, group, zsp);                   \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, zsp >= 0 ? zpart : nullptr, M, N, K,              \
+                                           zsp >= 0 ? zchunk : K, vec_ok, GvEpi{}, (int)(n0 / width),            \
+                                           zsp >= 0 ? zsp : 0);                                                  \
+        const int zt = (int)((n0 - C) / width);                                                                  \
+        if (zsp >= 0 && !gv_dr_zjoin(n0, width, zs, M, N, zpart, gcnt + Hk + 2 + zt, out, nullptr, zsp, zt, K, 0.f)) \
+            return;                                                                                               \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
@@ -1255,13 +1348,23 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps) {                                                                       \
+        int* ncnt, int* gcnt, float eps, float* zpart, int zs, int zchunk, int xnorm, float xeps) {             \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
-        int group;                                                                                               \
-        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
-        gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, (int)(n0 / width));  \
+        int group, zsp;                                                                                          \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, zs, group, zsp);                   \
+        __shared__ float nxq[8 * GV_MT];                                                                         \
+        float* const zp = zsp >= 0 ? zpart : nullptr;                                                            \
+        const int kc = zsp >= 0 ? zchunk : K, bt = (int)(n0 / width), spl = zsp >= 0 ? zsp : 0;                  \
+        if (xnorm)                                                                                                \
+            gv_tc<GV_MT, GV_CT, false, false, true>(x, xs, w, wsr, out, zp, M, N, K, kc, GvEpi{}, bt, spl, xeps, nxq); \
+        else                                                                                                      \
+            gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, zp, M, N, K, kc, GvEpi{}, bt, spl);            \
+        const int zt = (int)((n0 - C) / width);                                                                  \
+        if (zsp >= 0 && !gv_dr_zjoin(n0, width, zs, M, N, zpart, gcnt + Hk + 2 + zt, out, xnorm ? nxq : nullptr,  \
+                                     zsp, zt, K, xeps))                                                           \
+            return;                                                                                               \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
