@@ -89,7 +89,7 @@ _RULE_MIN_BYTES = 32 << 20
 # blocks: 9B-like, the 386 tiles of 32 columns are 1.46 waves of 2 blocks an SM, and the last 122 (all z) ran one
 # block an SM at ~60% of the copy speed (bench/results/h200-tail-trace-2026-12-05.txt); 256 half tiles fill that
 # wave (bench/results/z-splits-2026-12-05.txt). z then has the bits of the variant with these splits.
-_RULE_Z_SPLITS = 2
+_RULE_Z_SPLITS = 1
 # The MLP of one row in one launch (GemvProducts.mlp_add_rmsnorm; kernels/cuda.py gemv_mlp_add_rmsnorm): the CUDA-core
 # variants of the down product it can run (the gate|up product takes the same warps), "auto" timing each against
 # the launches it replaces (the gate|up and down choices with their epilogues); mode "cupy" takes _MLP_DEFAULT.

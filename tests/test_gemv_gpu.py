@@ -430,8 +430,6 @@ def _delta_layer(hk, hv, dk, dv, k, dtype, n_planes=24):
     }
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hk,hv,dk,dv,k", DELTA_SHAPES)
 def _product_z_split(kc, x, w, variant, zs, c, zc):
     """gemv(x, w, variant) with its z columns [c, c + zc) those of the same variant in zs K splits."""
     prod = kc.gemv(x, w, variant)
@@ -440,6 +438,8 @@ def _product_z_split(kc, x, w, variant, zs, c, zc):
     return prod
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hk,hv,dk,dv,k", DELTA_SHAPES)
 def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monkeypatch):
     """The packed in_proj product and the decode step after it (conv + SiLU, gates, rule, norm) in one launch
     for every launch variant without K splits and 1, 4 and 17 rows, its z columns made in 1, 2 and 3 K splits
@@ -784,9 +784,9 @@ def test_the_norm_after_the_resident_mlp_deferred_into_the_fused_in_proj(kc, dty
     """The norm after a resident MLP left to the next delta-net layer (its weight folded into in_proj): the MLP given
     no norm weight stores the residual stream only (bit for bit what it stores with one, its counters back at zero
     every launch), and the fused in_proj launch given x_eps sums the stream's squares as its tensor-core tiles read
-    it and scales their sums by the norm after the mmas (z in 1 and 2 splits): one launch, the output, the conv ring
-    and the planes close to the norm (zero weight) then the folded launch and to the reference on the unfolded
-    weight; captured and replayed on new rows, the eager bits. A CUDA-core variant norms first: the bits of rmsnorm
+    it and scales their sums by the norm after the mmas (z in 1 and 2 splits): one launch whose output, conv ring and
+    planes are as near the fp32 reference (unfolded weight) as the norm (zero weight) then the folded launch and the
+    reference in the launch's dtype are; captured and replayed on new rows, the eager bits. A CUDA-core variant norms first: the bits of rmsnorm
     then its launch."""
     if not kc._tensor_cores(dtype, CUDA):
         pytest.skip("the fused in_proj's in-launch norm is the tensor-core forms'")
@@ -808,14 +808,16 @@ def test_the_norm_after_the_resident_mlp_deferred_into_the_fused_in_proj(kc, dty
     start = torch.tensor([5], device=CUDA)
     step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
                                 lay["norm_w"], 1e-6)  # fmt: skip
-    rtol, scale = {torch.bfloat16: (2.5e-2, 2e-3), torch.float16: (3e-3, 1e-3)}[dtype]
 
-    def near(got, want, what):
-        atol = scale * want.float().abs().max().item()
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{dtype} {what}: {m}")
+    def err(got, want):  # the largest error against the largest value
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
     for m in (1, 4):
         sm = rows(m, k, dtype, seed=50 + m) * 3.0  # the residual stream, not unit-normed
+        conv, state = lay["conv0"].float(), lay["state0"].clone()  # the truth: the reference in fp32 on sm, unfolded
+        f32 = (conv, lay["conv_w"].float(), hk, lay["neg_exp_a"], lay["dt_bias"], state, start, lay["norm_w"], 1e-6)
+        truth = (ref.gemv_conv_delta_rule_norm(ref.rmsnorm(sm.float(), w_in, 1e-6), lay["w"].float(), *f32), conv,
+                 state)  # fmt: skip
         for zs in (1, 2):
             label = f"{m} rows, z in {zs}"
             runs = {}
@@ -834,9 +836,12 @@ def test_the_norm_after_the_resident_mlp_deferred_into_the_fused_in_proj(kc, dty
                     h = ref.rmsnorm(sm, w_in, 1e-6)
                     out = ref.gemv_conv_delta_rule_norm(h, lay["w"], *step(conv, state))
                 runs[how] = (out, conv, state)
-            for how in ("norm first", "reference"):
-                for got, want, what in zip(runs["in launch"], runs[how], ("y", "conv ring", "planes"), strict=True):
-                    near(got, want, f"{label} {what} against {how}")
+            # Rounding alone (h or the folded weight in 16 bits) puts single elements of the two unfused ways
+            # outside an elementwise tolerance of each other; the in-launch norm is held to their accuracy instead.
+            for i, what in enumerate(("y", "conv ring", "planes")):
+                worst = max(err(runs["norm first"][i], truth[i]), err(runs["reference"][i], truth[i]))
+                got = err(runs["in launch"][i], truth[i])
+                assert got <= 2.0 * worst + 1e-4, f"{dtype} {label} {what}: error {got:.2e} against {worst:.2e}"
             counters = kc._counters(CUDA, ("gdr_in", lay["neg_exp_a"].data_ptr()), hk + 2 + hv * dv // 32)
             assert counters.count_nonzero().item() == 0, label
         conv, state = lay["conv0"].clone(), lay["state0"].clone()  # CUDA cores: rmsnorm first, then the launch
