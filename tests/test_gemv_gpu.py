@@ -489,6 +489,34 @@ def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monk
     assert kc.registry.fallbacks() == before
 
 
+@pytest.mark.parametrize("hk,hv,dk,dv,k", [(16, 32, 128, 128, 4096), (2, 4, 64, 64, 384)])
+def test_the_rule_pieces_prefetch_changes_no_bit(kc, hk, hv, dk, dv, k, monkeypatch):
+    """The fused in_proj launch's rule pieces prefetching their operands into L2 before their wait (kernels.cuda
+    _DR_PREFETCH) give the bits they give without, at 1 and 4 rows, z in 1 and 2 splits: the output, the conv ring
+    and the planes, one launch each time and its counters back at zero."""
+    lay = _delta_layer(hk, hv, dk, dv, k, torch.bfloat16)
+    start = torch.tensor([9], device=CUDA)
+    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
+                                lay["norm_w"], 1e-6)  # fmt: skip
+    for m in (1, 4):
+        x = rows(m, k, torch.bfloat16, seed=90 + m)
+        for zs in (1, 2):
+            runs = []
+            for pf in (False, True):
+                monkeypatch.setattr(kc, "_DR_PREFETCH", pf)
+                conv, state = lay["conv0"].clone(), lay["state0"].clone()
+                fn = lambda x=x, conv=conv, state=state, zs=zs: kc.gemv_conv_delta_rule_norm(  # noqa: E731
+                    x, lay["w"], *step(conv, state), "tc2.w8.s1", zs
+                )
+                y, names = _launched(kc, fn)
+                assert len(names) == 1 and "_dr" in names[0], names
+                runs.append((y, conv, state))
+                counters = kc._counters(CUDA, ("gdr_in", lay["neg_exp_a"].data_ptr()), hk + 2 + hv * dv // 32)
+                assert counters.count_nonzero().item() == 0, (m, zs, pf)
+            for a, b, what in zip(*runs, ("y", "conv ring", "planes"), strict=True):
+                assert torch.equal(a, b), (m, zs, what)
+
+
 def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):
     """A captured fused launch replayed with new rows and state equals eager calls each time (its counters are
     left at zero by every launch), and GemvProducts (what the model calls) takes it (with the tc2.w8.s1 product)
