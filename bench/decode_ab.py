@@ -6,7 +6,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
                               [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
-                              [--zsplit-ab 2,1] [--defer-next-ab] [--dr-prefetch-ab]
+                              [--defer-next-ab] [--dr-prefetch-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -28,9 +28,6 @@ timed, and with the fastest resident one ("res": every block resident, kernels/c
 interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
 --defer-ab: 9B-like target-only with the norm after each output projection left to the resident MLP (Model.defer_norm,
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
---zsplit-ab: 9B-like target-only with the fused in_proj launch's z columns in each of these K splits (Model.
-rule_z_splits), the list three times over, each run a new session, with the launches and the tokens against the first
-(the norm after each MLP made in the MLP's launch, Model.defer_next off, so that the figures are the splits' alone).
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
 in_proj launch (Model.defer_next: the MLP storing the residual stream only) and in the MLP's launch, interleaved.
 --dr-prefetch-ab: 9B-like target-only with the fused in_proj launch's rule pieces prefetching their operands into L2
@@ -134,7 +131,6 @@ def main() -> int:
         help="9B-like target-only with the resident MLP launched cooperatively and as a PDL launch, interleaved",
     )
     ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
-    ap.add_argument("--zsplit-ab", default=None, help="comma list of the fused in_proj's z splits to compare")
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
     ap.add_argument("--dr-prefetch-ab", action="store_true", help="A/B the rule pieces' L2 prefetch")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
@@ -195,8 +191,6 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         rmlp_coop_ab(eng, a, target)
     if a.defer_ab:
         defer_ab(eng, a, target)
-    if a.zsplit_ab:
-        zsplit_ab(eng, a, target)
     if a.defer_next_ab:
         defer_next_ab(eng, a, target)
     if a.dr_prefetch_ab:
@@ -421,29 +415,6 @@ def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None
                 print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     finally:
         m.defer_norm = True
-
-
-def zsplit_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the fused in_proj launch's z columns in each of --zsplit-ab's K splits (Model.
-    rule_z_splits), the list three times over, each run a new session (its plans captured with the setting), with
-    the launches a token takes; the tokens of every run against the first's."""
-    m, first, was = eng.model, None, eng.model.rule_z_splits
-    values = [int(v) for v in a.zsplit_ab.split(",")]
-    m.defer_next = False
-    try:
-        for j, zs in enumerate(values * 3):
-            m.rule_z_splits = zs
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = tokens if first is None else first
-            print(f"9B-like target-only, gemm auto [z in {zs} splits]: {tps:.1f} t/s (tokens as the first run's: "
-                  f"{tokens == first})")  # fmt: skip
-            if j < len(values):
-                print(
-                    f"9B-like launches per token, gemm auto [z in {zs} splits]: {launches_per_token(eng, target):.1f}"
-                )
-    finally:
-        m.rule_z_splits = was
-        m.defer_next = True
 
 
 def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:

@@ -79,7 +79,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--variants", default="simt1.w8.s1,simt1.w4.s1,simt2.w4.s1,tc2.w8.s1,tc2.w4.s1,tc1.w8.s1")
-    ap.add_argument("--z-splits", default="1", help="comma list: the fused form timed with its z in each of these")
     a = ap.parse_args()
     dtype = torch.bfloat16
     kc.gemv_kernels(torch.device("cuda"), dtype)
@@ -103,23 +102,6 @@ def main() -> int:
                 print(f"{m} rows {v}: product {tp:.2f}, product + step {t2:.2f} us a layer")
                 continue
             t1 = graph_us(one)
-            for zs in [int(z) for z in a.z_splits.split(",") if int(z) > 1]:
-                L = lays[0]
-                c0, s0 = L["conv"].clone(), L["state"].clone()
-                yz = kc.gemv_conv_delta_rule_norm(x, L["w"], *step(L, start), v, zs)
-                L["conv"].copy_(c0)
-                L["state"].copy_(s0)
-                prod = kc.gemv(x, L["w"], v)
-                c, zc = 2 * HK * DK + HV * DV, HV * DV
-                prod[:, c : c + zc] = kc.gemv(x, L["w"], kc._split_variant(x, L["w"], v, zs))[:, c : c + zc]
-                want = two_launches(prod, *step(L, start))
-                L["conv"].copy_(c0)
-                L["state"].copy_(s0)
-                onez = lambda v=v, x=x, zs=zs: [  # noqa: E731
-                    kc.gemv_conv_delta_rule_norm(x, L["w"], *step(L, start), v, zs) for L in lays
-                ]
-                print(f"{m} rows {v}: fused with z in {zs} splits {graph_us(onez):.2f} us a layer; equal to the "
-                      f"product (z in {zs} splits) + step: {torch.equal(yz, want)}")  # fmt: skip
             L = lays[0]
             c0, s0 = L["conv"].clone(), L["state"].clone()
             y1 = kc.gemv_conv_delta_rule_norm(x, L["w"], *step(L, start), v)

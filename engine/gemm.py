@@ -85,11 +85,6 @@ EPILOGUES = ("silu", "norm")
 # in_proj was 1-4% slower fused). Mode "exact" keeps its row-invariant variant and the two launches.
 _RULE_VARIANT = "tc2.w8.s1"
 _RULE_MIN_BYTES = 32 << 20
-# ... its z columns (the gate only the head norms read, made last) in this many K splits, each z tile by as many
-# blocks: 9B-like, the 386 tiles of 32 columns are 1.46 waves of 2 blocks an SM, and the last 122 (all z) ran one
-# block an SM at ~60% of the copy speed (bench/results/h200-tail-trace-2026-12-05.txt); 256 half tiles fill that
-# wave (bench/results/z-splits-2026-12-05.txt). z then has the bits of the variant with these splits.
-_RULE_Z_SPLITS = 1
 # The MLP of one row in one launch (GemvProducts.mlp_add_rmsnorm; kernels/cuda.py gemv_mlp_add_rmsnorm): the CUDA-core
 # variants of the down product it can run (the gate|up product takes the same warps), "auto" timing each against
 # the launches it replaces (the gate|up and down choices with their epilogues); mode "cupy" takes _MLP_DEFAULT.
@@ -328,19 +323,16 @@ class GemvProducts:
         return _MLP_DEFAULT if ops.gemv_mlp_fits(row, w_gate_up, w_down, _MLP_DEFAULT) else "cublas"
 
     def conv_delta_rule_norm(
-        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps, z_splits=None,
-        x_eps=None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, x, w, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps, x_eps=None
+    ) -> torch.Tensor:
         """The delta-net's decode step from its input rows: in_proj_step(self(x, w), ...), one fused launch where
-        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step,
-        its z columns those of the product in `z_splits` K splits, None: _RULE_Z_SPLITS). x_eps given: x is the
-        residual stream, the layer's input norm folded into w (Model.fold_norms), normed in the fused launch or
-        (rmsnorm with no weight) before the product."""
-        z_splits = _RULE_Z_SPLITS if z_splits is None else z_splits
+        the product runs a gemv kernel (ops.gemv_conv_delta_rule_norm: the same bits as the product then the step).
+        x_eps given: x is the residual stream, the layer's input norm folded into w (Model.fold_norms), normed in the
+        fused launch or (rmsnorm with no weight) before the product."""
         step = (conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps)
         if self._rule_fused(x, w):
             self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
-            return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT, z_splits, x_eps)
+            return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT, x_eps)
         if x_eps is not None:
             x = ops.rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
         if self.takes(x, w):

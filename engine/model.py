@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kernels import ops
 
 from .config import ModelConfig
-from .gemm import _RULE_Z_SPLITS, GemvProducts, autotuned_linear, check_mode, gemv_products
+from .gemm import GemvProducts, autotuned_linear, check_mode, gemv_products
 from .parallel import Group, vocab_slice
 from .state import SessionState
 
@@ -77,9 +77,6 @@ class Model:
         # gemv kernel makes the product (engine/gemm.py _RULE_VARIANT says where); off only to measure the two-launch
         # form against it (bench/decode_ab.py --rule-ab)
         self.fuse_rule = True
-        # ... with its z columns in this many K splits (engine/gemm.py _RULE_Z_SPLITS); 1 only to measure the splits
-        # (bench/decode_ab.py --zsplit-ab)
-        self.rule_z_splits = _RULE_Z_SPLITS
         # the MLP of one row (gate|up + silu_mul, down + add + norm) as one launch (the gemv kernel's "_mlp" form)
         # where gemm mode "auto" measured it faster or "cupy" takes it (engine/gemm.py mlp_choice); off only to
         # measure the launches it replaces against it (bench/decode_ab.py --mlp-ab)
@@ -384,8 +381,7 @@ class Model:
                 state.delta_planes[i], start, w[p + "norm.weight"], cfg.rms_norm_eps,
             )  # fmt: skip
             if fused:  # with the product too, where a gemv kernel makes it
-                y = self._gemv.conv_delta_rule_norm(x, w_in, *step, self.rule_z_splits, x_eps)
-                return y.reshape(t, hv * dv)
+                return self._gemv.conv_delta_rule_norm(x, w_in, *step, x_eps).reshape(t, hv * dv)
             return ops.in_proj_step(self.linear(x, w_in), *step).reshape(t, hv * dv)
         qkv, z, b, a = self.linear(x, w_in).split([cfg.conv_dim, hv * dv, hv, hv], dim=-1)
         z = z.reshape(t, hv, dv)
@@ -629,7 +625,6 @@ class Model:
         tag = (self.gemm, self.mirror, self.combine) if self.group.active else (self.gemm,)
         tag = (*tag, "pdl") if self.pdl else tag
         tag = tag if self.fuse_rule else (*tag, "two-launch delta step")
-        tag = tag if self.rule_z_splits == _RULE_Z_SPLITS else (*tag, f"z in {self.rule_z_splits} splits")
         tag = tag if self.fuse_mlp else (*tag, "MLP in several launches")
         tag = tag if self.defer_norm else (*tag, "norm in the projection")
         tag = tag if self.defer_next else (*tag, "norm in the MLP")

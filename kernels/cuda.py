@@ -1126,13 +1126,6 @@ def gemv_rule_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bo
     return _gemv_launch(x, w, variant)[0].startswith("gemv_tc_")
 
 
-def _split_variant(x: torch.Tensor, w: torch.Tensor, variant: str | None, splits: int) -> str:
-    """The launch variant of x @ w^T that `variant` (None: the default) names, with `splits` K splits."""
-    name, _, block, _, _, _ = _gemv_launch(x, w, variant)
-    family = f"tc{name[-1]}" if name.startswith("gemv_tc_") else f"simt{name[-1]}"
-    return f"{family}.w{block[0] // 32}.s{splits}"
-
-
 def _dr_fits(splits, dkp, block, key_heads, hv, dk, dv, c, n, width, x) -> bool:
     """Whether the in_proj product's "_dr" form can run this launch: no K split, a rule size it is built for, a
     block of at least the rule's threads, every tile inside one head, an in_proj of C + Hv dv + 2 Hv columns, few
@@ -1165,17 +1158,13 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    z_splits: int = 1,
     x_eps: float | None = None,
 ) -> torch.Tensor:
     """One launch: the delta-net's packed in_proj product of `variant` and the step after it (the kernel's "_dr"
     form: the product stored as gemv stores it, then conv_delta_rule_norm's kernel code run by the blocks that
     finish each key head's columns last), so the result, both rings and the planes are bit for bit gemv(x, w,
-    variant) then conv_delta_rule_norm, except that with z_splits > 1 the z columns (the gate only the norm reads)
-    are made in that many K splits, each z tile by as many blocks (the launch's last wave fills the SMs), and have
-    the bits of gemv(x, w, the variant with z_splits splits). A variant that splits K, a block smaller than the
-    rule's, a shape whose tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the
-    two ops (z from the same splits).
+    variant) then conv_delta_rule_norm. A variant that splits K, a block smaller than the rule's, a shape whose
+    tiles would straddle a head, or operands conv_delta_rule_norm's kernel does not take: the two ops.
     x_eps given (the deferred norm): x is the residual stream, the layer's input norm has its weight folded into w
     (Model.fold_norms), so the product's input is rmsnorm(x) with no weight; the tensor-core forms sum x's squares as
     they read it and scale their sums by rsqrt(mean(x^2) + x_eps) after their mmas (within a rounding of the norm
@@ -1193,32 +1182,25 @@ def gemv_conv_delta_rule_norm(
             prod = torch.empty((m, n), dtype=x.dtype, device=x.device)
             qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
             cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
-            zchunk, zs = _gemv_splits(x.shape[1], z_splits)
-            slots = key_heads + 2 + hv * dv // width  # the groups', b | a's, the pieces', each z tile's
-            gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), slots) if cnt is not None else None
+            gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
     if gcnt is None:  # the two ops
         if x_eps is not None:
             x = _unit_rmsnorm(x, x_eps)
-        prod = gemv(x, w, variant)
-        if z_splits > 1 and gemv_takes(x, w):
-            c, zc = conv_weight.shape[0], neg_exp_a.numel() * state_ring.shape[3]
-            prod[:, c : c + zc] = gemv(x, w, _split_variant(x, w, variant, z_splits))[:, c : c + zc]
         return reference.in_proj_step(
-            prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps,
-            conv_delta_rule_norm,
+            gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
+            eps, conv_delta_rule_norm,
         )  # fmt: skip
     y = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
     o = torch.empty((m, hv, dv), dtype=x.dtype, device=x.device)
     sp, sv = _start_args(start, x.device)
     r = hv // key_heads
-    tiles = -(-2 * hv // width) + key_heads * (2 * dk + r * dv) // width + zs * hv * dv // width  # b|a, q|k|v, z
-    zpart = torch.empty((zs, m, n), dtype=torch.float32, device=x.device) if zs > 1 else None
+    tiles = -(-2 * hv // width) + key_heads * (2 * dk + r * dv) // width + hv * dv // width  # b|a, q|k|v, z
     args = la.GemvDeltaArgs(
         x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=prod, M=m, N=n, K=x.shape[1], vec_ok=int(_gemv_vec_ok(x, w)),
         cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
         ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
-        qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps, zpart=zpart, zs=zs,
-        zchunk=zchunk, xnorm=int(x_eps is not None), xeps=0.0 if x_eps is None else x_eps, pf=int(_DR_PREFETCH),
+        qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps, xnorm=int(x_eps is not None),
+        xeps=0.0 if x_eps is None else x_eps, pf=int(_DR_PREFETCH),
     )  # fmt: skip
     _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y

@@ -359,14 +359,13 @@ def gemv_conv_delta_rule_norm(
     weight: torch.Tensor,
     eps: float,
     variant: str | None = None,
-    z_splits: int = 1,
     x_eps: float | None = None,
 ) -> torch.Tensor:
     """The delta-net's decode step from its input rows x [T, K]: the packed in_proj product x @ w^T (gemv), then
     conv_delta_rule_norm of its columns (in_proj_step): y [T, Hv, dv]. One launch on a GPU where a gemv kernel
-    makes the product; `variant` names that kernel's launch and `z_splits` the K splits of its z columns, and
-    neither means anything here. x_eps given (the deferred norm): x is the residual stream before the layer's input
-    norm, whose weight is folded into w (Model.fold_norms), so the product's input is rmsnorm(x) with no weight."""
+    makes the product; `variant` names that kernel's launch and means nothing here. x_eps given (the deferred norm):
+    x is the residual stream before the layer's input norm, whose weight is folded into w (Model.fold_norms), so the
+    product's input is rmsnorm(x) with no weight."""
     if x_eps is not None:
         x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
     return in_proj_step(

@@ -285,17 +285,17 @@ def test_the_pick_rule_is_part_of_the_cache_key(fake, tmp_path):
 
 def test_the_delta_step_takes_the_fused_launch_only_for_large_weights_and_says_so(fake, monkeypatch):
     """The delta-net's in_proj product + step: a gemv choice for a weight of at least _RULE_MIN_BYTES goes to the
-    one-launch form with its tensor-core variant and z splits (and `labels` shows that variant beside the choice), a smaller
+    one-launch form with its tensor-core variant (and `labels` shows that variant beside the choice), a smaller
     weight or mode "exact" to the choice then the step, a cuBLAS choice to F.linear then the step."""
     fused, steps = [], []
-    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step: fused.append(step[-3:]) or "one")
+    monkeypatch.setattr(ops, "gemv_conv_delta_rule_norm", lambda x, w, *step: fused.append(step[-2:]) or "one")
     monkeypatch.setattr(ops, "in_proj_step", lambda prod, *step: steps.append(prod.shape) or "two")
     monkeypatch.setattr(gemm, "_RULE_MIN_BYTES", 128 * 32 * 4)
     step = (None,) * 9
     x = torch.randn(1, 32)
     p = products("cupy")
     assert p.conv_delta_rule_norm(x, torch.randn(128, 32), *step) == "one"
-    assert fused == [(gemm._RULE_VARIANT, gemm._RULE_Z_SPLITS, None)]  # its z in the engine's splits, x normed
+    assert fused == [(gemm._RULE_VARIANT, None)]  # x normed (no x_eps)
     assert p.labels["128x32 m1"] == f"{gemm._RULE_VARIANT} with the delta step (simt2.w4.s1 alone)"
     assert p.conv_delta_rule_norm(x, torch.randn(64, 32), *step) == "two"  # under the size: the two launches
     assert fake["gemv"][-1] == "simt2.w4.s1" and p.labels["64x32 m1"] == "simt2.w4.s1"

@@ -858,15 +858,13 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // Tile rows: 16 ct + 8 h + g is W row nb + 16 ct + 8 h + g (nb = 16 CT blockIdx.x). The activation form (SM,
 // N = I): output column o = ob + 8 ct + g (ob = 8 CT blockIdx.x) has its gate row o in tile row 16 ct + g and
 // its up row I + o in tile row 16 ct + 8 + g, so a tile makes 8 CT output columns.
-// NX (the fused in_proj forms, x the residual stream whose norm's weight is folded into W): each lane also sums the
-// squares of the x it loads; the warps' sums, added in warp order, are the block's per row over its K range, left
-// in nxq [8 MT] (shared), and where the block stores the product (no part) its sums are scaled by
-// rsqrt(nxq / K + xeps) after every mma (within a rounding of the norm then the product).
+// NX (the fused in_proj forms, x the residual stream whose norm's weight is folded into W; no K split): each lane
+// also sums the squares of the x it loads; the warps' sums, added in warp order, are the block's per row over K, and
+// its sums are scaled by rsqrt(sum / K + xeps) after every mma (within a rounding of the norm then the product).
 template <int MT, int CT, bool EPI, bool SM, bool NX = false>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
-                                      int N, int K, int kchunk, const GvEpi& epi, int bx, int split = -1,
-                                      float xeps = 0.f, float* nxq = nullptr) {
+                                      int N, int K, int kchunk, const GvEpi& epi, int bx, float xeps = 0.f) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
@@ -875,7 +873,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
     const int g = lane >> 2, t = lane & 3;
     const long long nb = (long long)bx * (16 * CT);
     const long long ob = (long long)bx * (8 * CT);
-    const int s = split >= 0 ? split : (int)blockIdx.y;  // split >= 0: the fused in_proj form's z parts
+    const int s = blockIdx.y;
     const int k0 = s * kchunk;
     const int k1 = K < k0 + kchunk ? K : k0 + kchunk;
     const int nsteps = (k1 - k0 + 63) >> 6;
@@ -980,6 +978,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
 
     // The warps' tiles, [8 MT rows][16 CT tile rows] each, added in warp order.
     __shared__ float gv_nxw[GV_MAX_WARPS * 8 * MT];  // NX: the warps' sums of squares, [warp][8 MT rows]
+    __shared__ float gv_nxs[8 * MT];                  // NX: the rows' scales
     if (NX)
 #pragma unroll
         for (int j = 0; j < MT; ++j) {
@@ -1001,7 +1000,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         if (threadIdx.x < 8 * MT) {
             float q = 0.f;
             for (int wi = 0; wi < nw; ++wi) q += gv_nxw[wi * 8 * MT + threadIdx.x];
-            nxq[threadIdx.x] = q;
+            gv_nxs[threadIdx.x] = rsqrtf(q / (float)K + xeps);
         }
         __syncthreads();
     }
@@ -1023,7 +1022,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
             if (n >= N) continue;
             float sum = 0.f;
             for (int wi = 0; wi < nw; ++wi) sum += gv_red[wi * RW + m * (16 * CT) + nl];
-            if (NX && part == nullptr) sum *= rsqrtf(nxq[m] / (float)K + xeps);
+            if (NX) sum *= gv_nxs[m];
             gv_store(out, part, s, M, N, m, n, sum);
         }
         if (EPI) gv_add_norm(part, gridDim.y, M, N, nb, 16 * CT, epi);
@@ -1125,11 +1124,8 @@ extern "C" __global__ void gemv_combine_sm(const float* __restrict__ part, scala
 //    pieces, the last block runs the rest.
 //  - A value head's norm needs its ceil(dv / 32) pieces and its dv / width z tiles: each counts in at the head's
 //    counter (ncnt[h]) when done, and whichever comes last norms the head's rows (no waiting).
-//  - zs > 1: each z tile is made by zs blocks, one K split each (kchunk zchunk), their fp32 partials in zpart
-//    [zs, M, N] and joined by the last to arrive (gv_dr_zjoin, counters gcnt[Hk + 2 + tile]; no waiting), so z
-//    has the bits of the plain launch with zs splits. Why: 9B-like, the 386 tiles of 32 columns are 1.46 waves of
-//    2 blocks an SM, and the last 122 (z) ran one block an SM at ~60% of the copy speed (bench/results/
-//    h200-tail-trace-2026-12-05.txt); as 256 half tiles the second wave fills the SMs.
+//  - xnorm (the tensor-core forms; kernels/cuda.py gemv_conv_delta_rule_norm's x_eps): x is the residual stream and
+//    W carries its norm's weight (folded), so each tile scales its sums by the norm after its mmas (gv_tc's NX).
 //  - Deadlock-free whatever order the blocks are scheduled in: a block waits only after its own tile is stored,
 //    at most P - 1 per group wait at once, and kernels/cuda.py launches this form only where Hk (P - 1) is below
 //    the SM count (fewer than the blocks the GPU holds at once), so a block whose tile is missing always finds
@@ -1154,11 +1150,9 @@ template <typename T> __device__ __forceinline__ float rnd(float f) { return to_
 #include "delta_rule.cuh"
 
 // The first column of tile bx in the rule's order, and what it holds: group >= 0, the q | k | v columns of key
-// head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group. With zs > 1 each z tile is
-// zs blocks, its K splits side by side (zsp: this block's split; -1 for every other tile).
-__device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk, int Hv, int dk, int dv, int zs,
-                                                int& group, int& zsp) {
-    zsp = -1;
+// head `group`; -1, the b | a columns; <= -2, the z columns of value head -2 - group.
+__device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk, int Hv, int dk, int dv,
+                                                int& group) {
     const int r = Hv / Hk;
     const int n_ab = (2 * Hv + width - 1) / width;
     if (bx < n_ab) {
@@ -1168,9 +1162,7 @@ __device__ __forceinline__ long long gv_dr_tile(int bx, int width, int C, int Hk
     const int per = (2 * dk + r * dv) / width;
     const int b = bx - n_ab;
     if (b >= Hk * per) {  // z, head by head
-        const int zb = b - Hk * per;
-        if (zs > 1) zsp = zb % zs;
-        const long long zc = (long long)(zs > 1 ? zb / zs : zb) * width;
+        const long long zc = (long long)(b - Hk * per) * width;
         group = -2 - (int)(zc / dv);
         return (long long)C + zc;
     }
@@ -1230,45 +1222,6 @@ __device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t*
     const GdrNorm nm{prod + d.C, N, d.nw, d.y, d.ncnt, d.eps};
     const float z0 = (int)threadIdx.x < d.dv ? to_f(gdr_ld<true>(nm.z + (long long)h * d.dv + threadIdx.x)) : 0.f;
     gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
-}
-
-// A z tile made in zs K splits (zsp >= 0): called by every thread once the block's split is stored in zpart
-// [zs, M, N] (fp32). The last of the tile's splits to count in (zcnt: its counter, left at zero) adds them in split
-// order and rounds once (gemv_combine's arithmetic, so z has the bits of the plain launch with zs splits), stores
-// the tile's columns of prod and returns true: it then counts in at the head's norm as a whole z tile would.
-// nxq given (x normed in the launch, NX): the block's sums of squares over its split (gv_tc's nxq), kept in zpart's
-// column ztile of each row (a q column, which no z split stores); the last adds the splits' sums in split order and
-// scales the tile's sums by rsqrt(sum / K + xeps).
-__device__ __forceinline__ bool gv_dr_zjoin(long long n0, int width, int zs, int M, int N, float* zpart, int* zcnt,
-                                            scalar_t* prod, const float* nxq, int zsp, int ztile, int K, float xeps) {
-    __shared__ int s_zlast;
-    __shared__ float s_rsq[24];  // the rows' scales (M <= 24: the tensor-core forms' rows)
-    if (nxq != nullptr && (int)threadIdx.x < M) zpart[((long long)zsp * M + threadIdx.x) * N + ztile] = nxq[threadIdx.x];
-    __syncthreads();  // the block's split is stored
-    if (threadIdx.x == 0) {
-        int old;  // release: this split; acquire: the others'
-        asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(old) : "l"(zcnt) : "memory");
-        s_zlast = old == zs - 1;
-        if (s_zlast) *zcnt = 0;
-    }
-    __syncthreads();
-    if (!s_zlast) return false;
-    if (nxq != nullptr) {
-        if ((int)threadIdx.x < M) {
-            float q = 0.f;
-            for (int sp = 0; sp < zs; ++sp) q += __ldcg(zpart + ((long long)sp * M + threadIdx.x) * N + ztile);
-            s_rsq[threadIdx.x] = rsqrtf(q / (float)K + xeps);
-        }
-        __syncthreads();
-    }
-    for (int e = threadIdx.x; e < width * M; e += blockDim.x) {
-        const int m = e / width;  // neighbouring threads: neighbouring columns
-        const long long i = (long long)m * N + n0 + e % width;
-        float sum = 0.f;
-        for (int sp = 0; sp < zs; ++sp) sum += __ldcg(zpart + (long long)sp * M * N + i);
-        prod[i] = gv_out(nxq != nullptr ? sum * s_rsq[m] : sum);
-    }
-    return true;
 }
 
 // Each 128-byte line of [p, p + bytes) into L2 (threads t, t + nt, ...): no registers held, nothing waited for.
@@ -1373,19 +1326,15 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, float* zpart, int zs, int zchunk, int xnorm, float xeps, int pf) {             \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int pf) {                                        \
         PDL_TRIGGER();                                                                                            \
         (void)xnorm; /* x normed first on CUDA cores: kernels/cuda.py */                                         \
         (void)xeps;                                                                                               \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
-        int group, zsp;                                                                                          \
-        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, zs, group, zsp);                   \
-        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, zsp >= 0 ? zpart : nullptr, M, N, K,              \
-                                           zsp >= 0 ? zchunk : K, vec_ok, GvEpi{}, (int)(n0 / width),            \
-                                           zsp >= 0 ? zsp : 0);                                                  \
-        const int zt = (int)((n0 - C) / width);                                                                  \
-        if (zsp >= 0 && !gv_dr_zjoin(n0, width, zs, M, N, zpart, gcnt + Hk + 2 + zt, out, nullptr, zsp, zt, K, 0.f)) \
-            return;                                                                                               \
+        int group;                                                                                               \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
+        gv_simt<GV_MB, GV_C, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{},             \
+                                           (int)(n0 / width));                                                   \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps}, pf);                                                       \
@@ -1396,23 +1345,18 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, float* zpart, int zs, int zchunk, int xnorm, float xeps, int pf) {             \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int pf) {                                        \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
-        int group, zsp;                                                                                          \
-        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, zs, group, zsp);                   \
-        __shared__ float nxq[8 * GV_MT];                                                                         \
-        float* const zp = zsp >= 0 ? zpart : nullptr;                                                            \
-        const int kc = zsp >= 0 ? zchunk : K, bt = (int)(n0 / width), spl = zsp >= 0 ? zsp : 0;                  \
-        if (xnorm)                                                                                                \
-            gv_tc<GV_MT, GV_CT, false, false, true>(x, xs, w, wsr, out, zp, M, N, K, kc, GvEpi{}, bt, spl, xeps, nxq); \
+        int group;                                                                                               \
+        const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
+        if (xnorm) /* x the residual stream, normed in the product (gv_tc's NX) */                               \
+            gv_tc<GV_MT, GV_CT, false, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{},            \
+                                                    (int)(n0 / width), xeps);                                    \
         else                                                                                                      \
-            gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, zp, M, N, K, kc, GvEpi{}, bt, spl);            \
-        const int zt = (int)((n0 - C) / width);                                                                  \
-        if (zsp >= 0 && !gv_dr_zjoin(n0, width, zs, M, N, zpart, gcnt + Hk + 2 + zt, out, xnorm ? nxq : nullptr,  \
-                                     zsp, zt, K, xeps))                                                           \
-            return;                                                                                               \
+            gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{},                  \
+                                              (int)(n0 / width));                                                \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps}, pf);                                                       \
