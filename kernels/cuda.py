@@ -2065,14 +2065,14 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     return out
 
 
-# The resident MLP (res variants): its staged activation at most this many bytes (with the kernel's static shared memory
-# under the 48 KiB a block has without opting in), and at most this many warps an SM (bench/persistent_chain.py: 16
-# warps an SM, 8 loads in flight a lane, was the fastest).
 # The fused in_proj + delta step's rule pieces (gemv_*_dr{DK}): each block that will run one issues L2 prefetches
 # of its operands (state plane slice, conv ring and weights, gate constants) before waiting for its key head's tiles,
 # taking an HBM round trip under the z tiles' stream off the piece's chain (gv_dr_prefetch). False: a bench switch
 # (bench/decode_ab.py --dr-prefetch-ab); the results have the same bits either way.
 _DR_PREFETCH = False
+# The resident MLP (res variants): its staged activation at most this many bytes (with the kernel's static shared memory
+# under the 48 KiB a block has without opting in), and at most this many warps an SM (bench/persistent_chain.py: 16
+# warps an SM, 8 loads in flight a lane, was the fastest).
 _RMLP_SMEM = 40 * 1024
 _RMLP_WARPS_PER_SM = 16
 # The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once
