@@ -6,7 +6,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
                               [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
-                              [--defer-next-ab] [--dr-prefetch-ab]
+                              [--defer-next-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -30,8 +30,6 @@ interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gem
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
 in_proj launch (Model.defer_next: the MLP storing the residual stream only) and in the MLP's launch, interleaved.
---dr-prefetch-ab: 9B-like target-only with the fused in_proj launch's rule pieces prefetching their operands into L2
-before they wait (kernels.cuda._DR_PREFETCH) and without, interleaved, each run a new session.
 """
 
 from __future__ import annotations
@@ -132,7 +130,6 @@ def main() -> int:
     )
     ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
-    ap.add_argument("--dr-prefetch-ab", action="store_true", help="A/B the rule pieces' L2 prefetch")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
         "--exact",
@@ -193,8 +190,6 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         defer_ab(eng, a, target)
     if a.defer_next_ab:
         defer_next_ab(eng, a, target)
-    if a.dr_prefetch_ab:
-        dr_prefetch_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -436,26 +431,6 @@ def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
                 print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     finally:
         m.defer_next = True
-
-
-def dr_prefetch_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the fused in_proj launch's rule pieces prefetching their operands into L2 before their
-    wait (kernels.cuda._DR_PREFETCH) and without, interleaved, each run a new session (its plans captured with the
-    setting); the tokens of every run against the first's."""
-    from kernels import cuda as kc
-
-    was, first = kc._DR_PREFETCH, None
-    try:
-        for pf in (True, False) * 3:
-            kc._DR_PREFETCH = pf
-            tag = "rule pieces prefetch" if pf else "no prefetch"
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = tokens if first is None else first
-            print(
-                f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})"
-            )
-    finally:
-        kc._DR_PREFETCH = was
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:

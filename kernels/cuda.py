@@ -1200,7 +1200,7 @@ def gemv_conv_delta_rule_norm(
         cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
         ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
         qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps, xnorm=int(x_eps is not None),
-        xeps=0.0 if x_eps is None else x_eps, pf=int(_DR_PREFETCH),
+        xeps=0.0 if x_eps is None else x_eps,
     )  # fmt: skip
     _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y
@@ -2065,11 +2065,6 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
     return out
 
 
-# The fused in_proj + delta step's rule pieces (gemv_*_dr{DK}): each block that will run one issues L2 prefetches
-# of its operands (state plane slice, conv ring and weights, gate constants) before waiting for its key head's tiles,
-# taking an HBM round trip under the z tiles' stream off the piece's chain (gv_dr_prefetch). False: a bench switch
-# (bench/decode_ab.py --dr-prefetch-ab); the results have the same bits either way.
-_DR_PREFETCH = False
 # The resident MLP (res variants): its staged activation at most this many bytes (with the kernel's static shared memory
 # under the 48 KiB a block has without opting in), and at most this many warps an SM (bench/persistent_chain.py: 16
 # warps an SM, 8 loads in flight a lane, was the fastest).

@@ -1224,49 +1224,9 @@ __device__ __forceinline__ void gv_dr_norm_arrive(int h, int of, const scalar_t*
     gdr_norm_rows<NT, true>(d.o, M, d.Hv, d.dv, h, NT, nm, z0);
 }
 
-// Each 128-byte line of [p, p + bytes) into L2 (threads t, t + nt, ...): no registers held, nothing waited for.
-__device__ __forceinline__ void gv_l2_lines(const void* p, long long bytes, int t, int nt) {
-    const char* c = static_cast<const char*>(p);
-    const long long first = reinterpret_cast<unsigned long long>(c) & 127ULL;
-    for (long long o = (long long)t * 128 - first; o < bytes; o += (long long)nt * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + (o < 0 ? 0 : o)));
-}
-
-// What piece p of key head `group` reads from memory that no block of this launch writes (its state plane slice,
-// its conv ring rows and weights, its head's gate constants and norm weight), into L2 by the block's threads while
-// its first thread waits for the group's tiles: a piece is a chain of dependent loads run while the z tiles stream
-// (~9 us under that load, bench/results/h200-tail-trace-2026-12-05.txt), and it holds a block slot the z tail wants.
-template <int DK>
-__device__ __forceinline__ void gv_dr_prefetch(int p, int group, const GvDr& d) {
-    const int r = d.Hv / d.Hk, ncb = (d.dv + 31) / 32, h = group * r + p / ncb, cb = p % ncb;
-    const int t = threadIdx.x, nt = blockDim.x;
-    const long long start = read_start(d.sp, d.sv);
-    const float* st = d.ring + pmod(start, d.n_planes) * ((long long)d.Hv * d.dk * d.dv) + (long long)h * d.dk * d.dv;
-    const int cols = d.dv - cb * 32 < 32 ? d.dv - cb * 32 : 32;
-    for (int row = t; row < d.dk; row += nt) gv_l2_lines(st + (long long)row * d.dv + cb * 32, cols * 4LL, 0, 1);
-    constexpr int CK = GDR_CONV_K;
-    const scalar_t* cr = d.cring + pmod(start, d.n_planes) * ((long long)d.C * (CK - 1));
-    const long long q0 = (long long)group * d.dk, k0 = (long long)d.Hk * d.dk + q0;
-    const long long v0 = 2LL * d.Hk * d.dk + (long long)h * d.dv + cb * 32;
-    const long long sz = sizeof(scalar_t);
-    gv_l2_lines(cr + q0 * (CK - 1), d.dk * (CK - 1) * sz, t, nt);
-    gv_l2_lines(cr + k0 * (CK - 1), d.dk * (CK - 1) * sz, t, nt);
-    gv_l2_lines(cr + v0 * (CK - 1), cols * (CK - 1) * sz, t, nt);
-    gv_l2_lines(d.cw + q0 * CK, d.dk * CK * sz, t, nt);
-    gv_l2_lines(d.cw + k0 * CK, d.dk * CK * sz, t, nt);
-    gv_l2_lines(d.cw + v0 * CK, cols * CK * sz, t, nt);
-    if (t == 0) {
-        gv_l2_lines(d.neg_exp_a + h, 4, 0, 1);
-        gv_l2_lines(d.dt_bias + h, 4, 0, 1);
-    }
-    gv_l2_lines(d.nw, d.dv * 4LL, t, nt);
-}
-
 // Called by every thread once the block's tile (of `group`, gv_dr_tile) of the product is stored in prod [M, N].
-// pf: a piece's operands prefetched into L2 before its wait (gv_dr_prefetch; kernels/cuda.py _DR_PREFETCH).
 template <int DK>
-__device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t* prod, int M, int N, const GvDr& d,
-                                            int pf) {
+__device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t* prod, int M, int N, const GvDr& d) {
     constexpr int NT = DK >= 32 ? DK : 32;  // the threads of a gdr_dk{DK}_cabn block
     __shared__ int s_first;
     const int r = d.Hv / d.Hk, ncb = (d.dv + 31) / 32, P = r * ncb;
@@ -1284,7 +1244,7 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
                      : "l"(d.gcnt + (group < 0 ? d.Hk : group))
                      : "memory");
         const int first = group < 0 ? -1 : old - (n_g - P);  // >= 0: one of the group's last P blocks
-        if (first >= 0 && !pf) {
+        if (first >= 0) {
             gv_wait_count(d.gcnt + group, n_g);
             gv_wait_count(d.gcnt + d.Hk, n_ab);
         }
@@ -1293,14 +1253,6 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
     __syncthreads();
     const int first = s_first;
     if (first < 0) return;
-    if (pf) {  // the piece's operands on their way to L2 while the group's last tiles are made, then the wait
-        gv_dr_prefetch<DK>(first, group, d);
-        if (threadIdx.x == 0) {
-            gv_wait_count(d.gcnt + group, n_g);
-            gv_wait_count(d.gcnt + d.Hk, n_ab);
-        }
-        __syncthreads();
-    }
     int ran = 0;
     for (int p = first; p >= 0; p -= n_g) {  // piece `first`, and with fewer tiles than pieces every n_g-th below
         const int h = group * r + p / ncb;
@@ -1326,7 +1278,7 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int pf) {                                        \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps) {                                                \
         PDL_TRIGGER();                                                                                            \
         (void)xnorm; /* x normed first on CUDA cores: kernels/cuda.py */                                         \
         (void)xeps;                                                                                               \
@@ -1337,7 +1289,7 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
                                            (int)(n0 / width));                                                   \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
-                             nw, y, ncnt, gcnt, eps}, pf);                                                       \
+                             nw, y, ncnt, gcnt, eps});                                                           \
     }
 #define GEMV_TC_DR(GV_MT, GV_CT, DK)                                                                             \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_dr##DK(        \
@@ -1345,7 +1297,7 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int pf) {                                        \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps) {                                                \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
@@ -1359,7 +1311,7 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
                                               (int)(n0 / width));                                                \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
-                             nw, y, ncnt, gcnt, eps}, pf);                                                       \
+                             nw, y, ncnt, gcnt, eps});                                                           \
     }
 // GV_DR_DK: the module of the _dr forms for that DK (kernels/cuda.py compiles one per DK on first use).
 #if GV_DR_DK == 64
