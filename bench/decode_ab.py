@@ -391,16 +391,15 @@ def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> 
     resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag.get)
 
 
-def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the norm after each layer's output projection deferred to the resident MLP and in the
-    projection's launch (Model.defer_norm), interleaved, each run a new session (its plans captured with the
-    setting), with the launches a token takes; the tokens of every run against the first's."""
+def model_switch_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, attr: str, tags: tuple) -> None:
+    """Target-only decode with the Model switch `attr` on and off, interleaved (on, off three times; tags: what each
+    is called), each run a new session (its plans captured with the setting), with the launches a token takes in the
+    first two; the tokens of every run against the first's. The switch is left on."""
     m, first = eng.model, None
-    print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in m._gemv.mlp_choices.items()))
     try:
-        for j, defer in enumerate((True, False) * 3):
-            m.defer_norm = defer
-            tag = "norm deferred to the MLP" if defer else "norm in the projection"
+        for j, on in enumerate((True, False) * 3):
+            setattr(m, attr, on)
+            tag = tags[0] if on else tags[1]
             tps, tokens = median_tps(eng, target, a.n, a.reps)
             first = tokens if first is None else first
             print(
@@ -409,28 +408,21 @@ def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None
             if j < 2:
                 print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
     finally:
-        m.defer_norm = True
+        setattr(m, attr, True)
+
+
+def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """The norm after each layer's output projection deferred to the resident MLP and in the projection's launch
+    (Model.defer_norm), model_switch_ab."""
+    print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in eng.model._gemv.mlp_choices.items()))
+    model_switch_ab(eng, a, target, "defer_norm", ("norm deferred to the MLP", "norm in the projection"))
 
 
 def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the norm after each resident MLP left to the next delta-net layer's fused in_proj
-    launch (Model.defer_next) and made in the MLP's launch, interleaved, each run a new session, with the launches a
-    token takes; the tokens of every run against the first's."""
-    m, first = eng.model, None
-    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {len(m._folded_in)}")
-    try:
-        for j, defer in enumerate((True, False) * 3):
-            m.defer_next = defer
-            tag = "next norm in the in_proj launch" if defer else "next norm in the MLP"
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = tokens if first is None else first
-            print(
-                f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})"
-            )
-            if j < 2:
-                print(f"9B-like launches per token, gemm auto [{tag}]: {launches_per_token(eng, target):.1f}")
-    finally:
-        m.defer_next = True
+    """The norm after each resident MLP left to the next delta-net layer's fused in_proj launch (Model.defer_next)
+    and made in the MLP's launch, model_switch_ab."""
+    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {len(eng.model._folded_in)}")
+    model_switch_ab(eng, a, target, "defer_next", ("next norm in the in_proj launch", "next norm in the MLP"))
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:
