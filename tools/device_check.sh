@@ -7,6 +7,7 @@
 #   auto     adaptive depth, 2048 tokens (~2.5 min)    overlap  overlapped rounds off vs on (~1.5 min)
 #   real     9B-real, 512 tokens (~2.5 min)      table    the README's bundled table, sections a,b,c
 #   engine   the engine's GPU tests only (~1.3 min)
+#   bw       issue 20's record: copy bandwidth, the gemv table per 9B shape, the deferred next norm's A/B (~4 min)
 # Two GPUs (nvidia-h200-x2): python3 -m pytest -q -m gpu tests/test_tensor_parallel.py tests/test_sampling_gpu.py -k two
 #   and bash bench/run_multi_gpu.sh $OUT/multi-gpu.txt
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -37,8 +38,11 @@ for part in "${parts[@]}"; do
     overlap) timeout 150 python3 bench/gpu_bench.py --sections overlap --n 1024 --out $OUT/overlap.txt 2>&1 | grep -v -i warn | tail -8 ;;
     table) timeout 240 python3 bench/gpu_bench.py --sections a,b,c --out $OUT/table.txt 2>&1 | grep -v -i warn | tail -40 ;;
     engine) gpu_tests 200 $OUT/engine-tests.txt $ENGINE_TESTS ;;
+    bw)
+        timeout 150 python3 bench/gpu_bench.py --sections copy,gemv-table --out $OUT/gemv-table.txt 2>&1 | grep -v -i warn | tail -30
+        timeout 150 python3 bench/decode_ab.py --only 9b --defer-next-ab --n 128 --reps 2 2>&1 | grep -v -i warn | tail -12 ;;
     real) timeout 240 python3 bench/gpu_bench.py --sections real --n 512 --out $OUT/real.txt 2>&1 | grep -v -i warn | tail -30 ;;
-    *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table or real" ;;
+    *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table, real or bw" ;;
     esac
 done
 el done
