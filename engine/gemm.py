@@ -334,7 +334,7 @@ class GemvProducts:
             self.fused[(w.shape[0], w.shape[1], bucket_index(x.shape[0]))] = _RULE_VARIANT
             return ops.gemv_conv_delta_rule_norm(x, w, *step, _RULE_VARIANT, x_eps)
         if x_eps is not None:
-            x = ops.rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
+            x = ops.unit_rmsnorm(x, x_eps)
         if self.takes(x, w):
             choice = self.choice(x.shape[0], w)
             if choice != "cublas":

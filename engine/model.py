@@ -251,12 +251,7 @@ class Model:
             down = self.w[p + "mlp.down_proj.weight"]
             if not self._gemv.mlp_choice(row, gate_up, down).startswith("res"):
                 continue
-            post = self.w[p + "post_attention_layernorm.weight"]
-            scale = 1.0 + post.float()
-            for lo in range(0, gate_up.shape[0], 4096):  # fp32 a slice at a time
-                part = gate_up[lo : lo + 4096]
-                part.copy_((part.float() * scale[None, :]).to(part.dtype))
-            post.zero_()
+            _fold_norm(gate_up, self.w[p + "post_attention_layernorm.weight"])
             self._folded.add(p)
         # The norm after such an MLP where the next layer is a delta-net whose fused in_proj launch norms its own
         # input (GemvProducts.rule_norms): its weight into that in_proj's columns, the MLP then storing s only.
@@ -266,12 +261,7 @@ class Model:
             w_in = self.w[f"layers.{i}.linear_attn.in_proj_packed"]
             if not self._gemv.rule_norms(row, w_in):
                 continue
-            norm = self.w[f"layers.{i}.input_layernorm.weight"]
-            scale = 1.0 + norm.float()
-            for lo in range(0, w_in.shape[0], 4096):
-                part = w_in[lo : lo + 4096]
-                part.copy_((part.float() * scale[None, :]).to(part.dtype))
-            norm.zero_()
+            _fold_norm(w_in, self.w[f"layers.{i}.input_layernorm.weight"])
             self._folded_in.add(i)
 
     def _mlp_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -368,7 +358,7 @@ class Model:
         cfg, w = self.cfg, self.w
         fused = recurrent and self._gemv is not None and self.fuse_rule
         if x_eps is not None and not fused:
-            x, x_eps = ops.rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps), None
+            x, x_eps = ops.unit_rmsnorm(x, x_eps), None
         p = f"layers.{i}.linear_attn."
         t = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -422,11 +412,10 @@ class Model:
             if kind == "full_attention":
                 a = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
                 out_w = w[p + "self_attn.o_proj.weight"]
-            elif h is None:  # the MLP before left this layer's input norm to its fused in_proj launch
-                a = self._delta_net(i, residual, state, start, recurrent, eps)
-                out_w = w[p + "linear_attn.out_proj.weight"]
-            else:
-                a = self._delta_net(i, h, state, start, recurrent)
+            else:  # h None: the MLP before left this layer's input norm to its fused in_proj launch
+                a = self._delta_net(
+                    i, residual if h is None else h, state, start, recurrent, eps if h is None else None
+                )
                 out_w = w[p + "linear_attn.out_proj.weight"]
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
@@ -706,3 +695,13 @@ def _into(
     out[0].copy_(tok)
     out[1].copy_(prob)
     return out
+
+
+def _fold_norm(w: torch.Tensor, norm: torch.Tensor) -> None:
+    """A zero-centred norm's weight folded into the product w [N, K] that reads its output (each column k times
+    1 + norm[k], in fp32 a slice at a time, rounded to w's dtype once), then zeroed (Model.fold_norms)."""
+    scale = 1.0 + norm.float()
+    for lo in range(0, w.shape[0], 4096):
+        part = w[lo : lo + 4096]
+        part.copy_((part.float() * scale[None, :]).to(part.dtype))
+    norm.zero_()

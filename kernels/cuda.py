@@ -1121,9 +1121,11 @@ def _gemv_tile_width(name: str, block: tuple) -> int:
 def gemv_rule_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
     """Whether gemv_conv_delta_rule_norm given x_eps norms x in its own launch (the tensor-core forms of `variant`
     for these operands), rather than rmsnorm first."""
-    if not (gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0] and x.dim() == 2 and x.shape[0] <= 24):
-        return False
-    return _gemv_launch(x, w, variant)[0].startswith("gemv_tc_")
+    return (
+        gemv_takes(x, w)
+        and gemv_kernels(x.device, x.dtype)[0]
+        and _gemv_launch(x, w, variant)[0].startswith("gemv_tc_")
+    )
 
 
 def _dr_fits(splits, dkp, block, key_heads, hv, dk, dv, c, n, width, x) -> bool:
@@ -1169,8 +1171,6 @@ def gemv_conv_delta_rule_norm(
     (Model.fold_norms), so the product's input is rmsnorm(x) with no weight; the tensor-core forms sum x's squares as
     they read it and scale their sums by rsqrt(mean(x^2) + x_eps) after their mmas (within a rounding of the norm
     then the product: the normed rows are not rounded to the dtype between them); any other form norms first."""
-    if x_eps is not None and not gemv_rule_norms(x, w, variant):
-        x, x_eps = _unit_rmsnorm(x, x_eps), None
     gcnt = None
     if gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0]:
         m, n = x.shape[0], w.shape[0]
@@ -1183,9 +1183,10 @@ def gemv_conv_delta_rule_norm(
             qkv, z, b, a = reference.split_in_proj(prod, c, hv, dv)
             cnt = _cdr_counters(qkv, conv_ring, conv_weight, key_heads, a, b, neg_exp_a, dt_bias, state_ring, z, weight)
             gcnt = _counters(x.device, ("gdr_in", neg_exp_a.data_ptr()), key_heads + 2) if cnt is not None else None
+    # x normed in the launch only by a fused tensor-core form (gemv_rule_norms); before it otherwise
+    if x_eps is not None and (gcnt is None or not name.startswith("gemv_tc_")):
+        x, x_eps = _unit_rmsnorm(x, x_eps), None
     if gcnt is None:  # the two ops
-        if x_eps is not None:
-            x = _unit_rmsnorm(x, x_eps)
         return reference.in_proj_step(
             gemv(x, w, variant), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight,
             eps, conv_delta_rule_norm,
@@ -2137,8 +2138,8 @@ def gemv_mlp_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 
 def _unit_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rmsnorm(x) with no weight (the zero-centred norm's weight zero): a folded norm made before its product."""
-    return rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
+    """rmsnorm(x) with no weight through this module's rmsnorm (reference.unit_rmsnorm)."""
+    return reference.unit_rmsnorm(x, eps, rmsnorm)
 
 
 def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
@@ -2183,15 +2184,14 @@ def gemv_mlp_add_rmsnorm(
         and gemv_kernels(x.device, x.dtype)[0]
         and _add_norm_operands_ok(x, residual, weight, 1, n)
     )
-    if weight is None and fits and not registry.parse_gemv_variant(variant)[0].startswith("res"):
-        fits = False  # s only: the resident form's
-    if x_norm and not (fits and registry.parse_gemv_variant(variant)[0].startswith("res")):
+    resident = fits and registry.parse_gemv_variant(variant)[0].startswith("res")
+    fits = fits and (resident or weight is not None)  # s alone: the resident form's
+    if x_norm and not resident:
         x, x_norm = _unit_rmsnorm(x, eps), False
     family, warps, splits = registry.parse_gemv_variant(variant) if fits else ("", 0, 0)
     c = int(family[-1]) if fits else 0
     kchunk, splits = _gemv_splits(i, splits) if fits else (0, 0)
     ntiles = n // (warps * c) if fits else 0
-    resident = family.startswith("res")
     grid = (i // warps + ntiles * splits,) if fits else (0,)
     smem = 0
     if resident and fits:

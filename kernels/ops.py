@@ -49,6 +49,11 @@ def in_proj_step(prod, conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, st
     )  # fmt: skip
 
 
+def unit_rmsnorm(x, eps):
+    """rmsnorm(x) with no weight through the rmsnorm bound now (reference.unit_rmsnorm)."""
+    return reference.unit_rmsnorm(x, eps, rmsnorm)
+
+
 def cuda_enabled() -> bool:
     """True when the CUDA kernels are bound (so every op reads `start` on the device: capturable)."""
     return _cuda_enabled

@@ -31,6 +31,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * (1.0 + weight.float())).to(x.dtype)
 
 
+def unit_rmsnorm(x: torch.Tensor, eps: float, norm=None) -> torch.Tensor:
+    """rmsnorm(x) with no weight (the zero-centred norm's weight zero) through `norm` (rmsnorm's signature; None: the
+    reference): a norm whose weight is folded into the product that reads it (Model.fold_norms), made first."""
+    return (norm or rmsnorm)(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
+
+
 def embed_rmsnorm(
     ids: torch.Tensor, embed: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +373,7 @@ def gemv_conv_delta_rule_norm(
     x is the residual stream before the layer's input norm, whose weight is folded into w (Model.fold_norms), so the
     product's input is rmsnorm(x) with no weight."""
     if x_eps is not None:
-        x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), x_eps)
+        x = unit_rmsnorm(x, x_eps)
     return in_proj_step(
         gemv(x, w), conv_ring, conv_weight, key_heads, neg_exp_a, dt_bias, state_ring, start, weight, eps
     )
@@ -494,7 +500,7 @@ def gemv_mlp_add_rmsnorm(
     before its norm (gemv_add's s) and that norm's weight is folded into w_gate_up, so the MLP's input is rmsnorm(x)
     with no weight (the deferred norm). weight None (the norm after it deferred to the next layer): (None, s)."""
     if x_norm:
-        x = rmsnorm(x, torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device), eps)
+        x = unit_rmsnorm(x, eps)
     if weight is None:
         return None, gemv_add(gemv_silu_mul(x, w_gate_up), w_down, residual, variant)
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
