@@ -1201,7 +1201,7 @@ def gemv_conv_delta_rule_norm(
         cring=conv_ring, cw=conv_weight, C=c, neg_exp_a=neg_exp_a.contiguous(), dt_bias=dt_bias.float().contiguous(),
         ring=state_ring, o=o, sp=sp, sv=sv, Hk=key_heads, Hv=hv, dk=dk, dv=dv, n_planes=state_ring.shape[0],
         qscale=dk**-0.5, nw=weight.contiguous(), y=y, ncnt=cnt, gcnt=gcnt, eps=eps, xnorm=int(x_eps is not None),
-        xeps=0.0 if x_eps is None else x_eps, zp=_DR_Z_PIPE,
+        xeps=0.0 if x_eps is None else x_eps,
     )  # fmt: skip
     _launch_gemv(f"{name}_dr{dkp}", x.dtype, x.device, (tiles,), block, args, smem)
     return y
@@ -2069,11 +2069,6 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
 # The resident MLP (res variants): its staged activation at most this many bytes (with the kernel's static shared memory
 # under the 48 KiB a block has without opting in), and at most this many warps an SM (bench/persistent_chain.py: 16
 # warps an SM, 8 loads in flight a lane, was the fastest).
-# The fused in_proj + delta step's z tiles (gemv_tc_*_dr{DK}, gv_tc's PIPE): the launch's tiles are ~1.5 waves of its
-# blocks, and its last, partial wave (z tiles, one block an SM beside the rule's pieces) streams W under copy speed with
-# one step of W in flight a warp (bench/results/h200-tail-trace-2026-12-05.txt): 0, one step; 1, two buffers; 2, one
-# buffer of two steps. The same bits every way (bench/decode_ab.py --dr-zpipe-ab).
-_DR_Z_PIPE = 0
 _RMLP_SMEM = 40 * 1024
 _RMLP_WARPS_PER_SM = 16
 # The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once

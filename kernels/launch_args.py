@@ -249,7 +249,7 @@ GemvDeltaArgs = builder(
     (
         "ptr x, i64 xs, ptr w, i64 wsr, ptr out, i32 M, i32 N, i32 K, i32 vec_ok, ptr cring, ptr cw, i32 C, "
         "ptr neg_exp_a, ptr dt_bias, ptr ring, ptr o, ptr sp, i64 sv, i32 Hk, i32 Hv, i32 dk, i32 dv, i32 n_planes, "
-        "f32 qscale, ptr nw, ptr y, ptr ncnt, ptr gcnt, f32 eps, i32 xnorm, f32 xeps, i32 zp"
+        "f32 qscale, ptr nw, ptr y, ptr ncnt, ptr gcnt, f32 eps, i32 xnorm, f32 xeps"
     ),
     *(f"gemv_simt_m{mb}_c{c}_dr{dk}" for mb in (1, 4, 8, 17) for c in (1, 2) for dk in (64, 128)),
     *(f"gemv_tc_t{mt}_c{ct}_dr{dk}" for mt in (1, 2, 3) for ct in (1, 2) for dk in (64, 128)),

@@ -11,8 +11,6 @@ elements bit-identical; fp16 3e-3).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from test_kernels_gpu import captured, close
@@ -472,40 +470,6 @@ def test_gemv_conv_delta_rule_norm_one_launch(kc, dtype, hk, hv, dk, dv, k, monk
         expect = ref.gemv_conv_delta_rule_norm(x, lay["w"], *step(rconv, rstate))
         close(y, expect, f"{m} rows {dtype} reference")
     assert kc.registry.fallbacks() == before
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hk,hv,dk,dv,k", [(16, 32, 128, 128, 4096), (2, 4, 64, 64, 384)])
-def test_the_fused_in_proj_z_tiles_w_pipelines_give_the_same_bits(kc, dtype, hk, hv, dk, dv, k, monkeypatch):
-    """The fused in_proj launch's z tiles with more W loads in flight (kernels.cuda._DR_Z_PIPE 1: two buffers, 2: one
-    buffer of two steps) multiply the same steps in the same order: output, conv ring and planes bit for bit those of
-    one step in flight, with x as it is and with x normed in the launch (x_eps), at 1, 4 and 17 rows, for every
-    tensor-core variant the launch takes, its counters back at zero."""
-    if not kc._tensor_cores(dtype, CUDA):
-        pytest.skip("the z tiles' pipelines are the tensor-core forms'")
-    lay = _delta_layer(hk, hv, dk, dv, k, dtype)
-    start = torch.tensor([3], device=CUDA)
-    step = lambda conv, state: (conv, lay["conv_w"], hk, lay["neg_exp_a"], lay["dt_bias"], state, start,  # noqa: E731
-                                lay["norm_w"], 1e-6)  # fmt: skip
-    counters = lambda: kc._counters(CUDA, ("gdr_in", lay["neg_exp_a"].data_ptr()), hk + 2)  # noqa: E731
-    for m in (1, 4, 17):
-        x = rows(m, k, dtype, seed=70 + m)
-        for variant in ("tc1.w8.s1", "tc2.w4.s1", "tc2.w8.s1"):
-            for x_eps in (None, 1e-6):
-                runs = []
-                for pipe in (0, 1, 2):
-                    monkeypatch.setattr(kc, "_DR_Z_PIPE", pipe)
-                    conv, state = lay["conv0"].clone(), lay["state0"].clone()
-                    launch = functools.partial(
-                        kc.gemv_conv_delta_rule_norm, x, lay["w"], *step(conv, state), variant, x_eps
-                    )
-                    y, names = _launched(kc, launch)
-                    assert len(names) == 1 and "_dr" in names[0], names
-                    runs.append((y, conv, state))
-                    assert counters().count_nonzero().item() == 0
-                label = f"{dtype} {m} rows {variant} x_eps {x_eps}"
-                for pipe in (1, 2):
-                    assert all(torch.equal(p, q) for p, q in zip(runs[pipe], runs[0], strict=True)), (label, pipe)
 
 
 def test_gemv_conv_delta_rule_norm_in_a_graph_and_from_the_engine_path(kc):

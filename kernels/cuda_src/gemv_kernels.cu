@@ -861,16 +861,12 @@ __device__ __forceinline__ unsigned int gv_word(const uint4& v, int i) {
 // NX (the fused in_proj forms, x the residual stream whose norm's weight is folded into W; no K split): each lane
 // also sums the squares of the x it loads; the warps' sums, added in warp order, are the block's per row over K, and
 // its sums are scaled by rsqrt(sum / K + xeps) after every mma (within a rounding of the norm then the product).
-// PIPE (the fused in_proj's z tiles, kernels/cuda.py _DR_Z_PIPE): W loads a warp keeps in flight beyond the one
-// buffer of a step CT = 2 has by default: 1, two buffers (the next step's loads issued before the current one is
-// multiplied, as CT = 1 always does); 2, one buffer of two steps. The steps are multiplied in the same order either
-// way, so the same bits.
-template <int MT, int CT, bool EPI, bool SM, bool NX = false, int PIPE = 0>
+template <int MT, int CT, bool EPI, bool SM, bool NX = false>
 __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
                                       long long wsr, scalar_t* __restrict__ out, float* __restrict__ part, int M,
                                       int N, int K, int kchunk, const GvEpi& epi, int bx, float xeps = 0.f) {
 #if SCALAR_KIND != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int U = PIPE == 2 ? 2 : 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
+    constexpr int U = 1;  // K steps a buffer holds per warp: U * CT * 2 KB of W
     constexpr int RW = 16 * CT * 8 * MT;  // floats of one warp's tile in shared memory
     extern __shared__ float gv_red[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -961,7 +957,7 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         }                                                                                                         \
     }
     const int span = nw * U;  // steps one buffer holds, over the block's warps
-    if constexpr (CT == 1 || PIPE == 1) {
+    if constexpr (CT == 1) {
         uint4 wb[U][CT][2][2];
         for (int st = warp; st < nsteps; st += 2 * span) {
             if (st + span < nsteps) GV_TC_LOAD_W(wb, st + span)
@@ -1276,27 +1272,14 @@ __device__ __forceinline__ void gv_dr_after(int group, int width, const scalar_t
     }
 }
 
-// The fused in_proj's product of tile bx on tensor cores (gv_tc, no K split): xnorm, x the residual stream normed in
-// the product (gv_tc's NX); PIPE, gv_tc's.
-template <int MT, int CT, int PIPE>
-__device__ __forceinline__ void gv_tc_dr(const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w,
-                                         long long wsr, scalar_t* __restrict__ out, int M, int N, int K, int bx,
-                                         int xnorm, float xeps) {
-    if (xnorm)
-        gv_tc<MT, CT, false, false, true, PIPE>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, bx, xeps);
-    else
-        gv_tc<MT, CT, false, false, false, PIPE>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, bx);
-}
-
 #define GEMV_SIMT_DR(GV_MB, GV_C, DK)                                                                            \
     extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m##GV_MB##_c##GV_C##_dr##DK(       \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int zp) {                                        \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps) {                                                \
         PDL_TRIGGER();                                                                                            \
-        (void)zp; /* the tensor-core forms' z tiles only */                                                       \
         (void)xnorm; /* x normed first on CUDA cores: kernels/cuda.py */                                         \
         (void)xeps;                                                                                               \
         const int width = (blockDim.x >> 5) * GV_C;                                                              \
@@ -1309,23 +1292,23 @@ __device__ __forceinline__ void gv_tc_dr(const scalar_t* __restrict__ x, long lo
                              nw, y, ncnt, gcnt, eps});                                                           \
     }
 #define GEMV_TC_DR(GV_MT, GV_CT, DK)                                                                             \
-    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32, 2) gemv_tc_t##GV_MT##_c##GV_CT##_dr##DK(     \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t##GV_MT##_c##GV_CT##_dr##DK(        \
         const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
         scalar_t* __restrict__ out, int M, int N, int K, int vec_ok, scalar_t* cring, const scalar_t* cw, int C, \
         const float* neg_exp_a, const float* dt_bias, float* ring, scalar_t* o, const long long* sp,             \
         long long sv, int Hk, int Hv, int dk, int dv, int n_planes, float qscale, const float* nw, scalar_t* y,  \
-        int* ncnt, int* gcnt, float eps, int xnorm, float xeps, int zp) {                                        \
+        int* ncnt, int* gcnt, float eps, int xnorm, float xeps) {                                                \
         PDL_TRIGGER();                                                                                            \
         (void)vec_ok;                                                                                             \
         const int width = 16 * GV_CT;                                                                            \
         int group;                                                                                               \
         const long long n0 = gv_dr_tile(blockIdx.x, width, C, Hk, Hv, dk, dv, group);                            \
-        if (group <= -2 && zp == 1) /* a z tile, more W loads in flight (gv_tc's PIPE) */                        \
-            gv_tc_dr<GV_MT, GV_CT, 1>(x, xs, w, wsr, out, M, N, K, (int)(n0 / width), xnorm, xeps);              \
-        else if (group <= -2 && zp == 2)                                                                          \
-            gv_tc_dr<GV_MT, GV_CT, 2>(x, xs, w, wsr, out, M, N, K, (int)(n0 / width), xnorm, xeps);              \
+        if (xnorm) /* x the residual stream, normed in the product (gv_tc's NX) */                               \
+            gv_tc<GV_MT, GV_CT, false, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{},            \
+                                                    (int)(n0 / width), xeps);                                    \
         else                                                                                                      \
-            gv_tc_dr<GV_MT, GV_CT, 0>(x, xs, w, wsr, out, M, N, K, (int)(n0 / width), xnorm, xeps);              \
+            gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{},                  \
+                                              (int)(n0 / width));                                                \
         gv_dr_after<DK>(group, width, out, M, N,                                                                 \
                         GvDr{cring, cw, C, neg_exp_a, dt_bias, ring, o, sp, sv, Hk, Hv, dk, dv, n_planes, qscale, \
                              nw, y, ncnt, gcnt, eps});                                                           \
