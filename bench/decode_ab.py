@@ -6,7 +6,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
                               [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
-                              [--defer-next-ab]
+                              [--defer-next-ab] [--rmlp-balance-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -30,6 +30,8 @@ interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gem
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
 in_proj launch (Model.defer_next: the MLP storing the residual stream only) and in the MLP's launch, interleaved.
+--rmlp-balance-ab: 9B-like target-only with the resident MLP's grid as few blocks as make its activation tiles in the
+same rounds (kernels.cuda._RMLP_BALANCE) and every block that fits, interleaved, each run a new session.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def main() -> int:
     )
     ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
+    ap.add_argument("--rmlp-balance-ab", action="store_true", help="A/B the resident MLP's balanced grid")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
         "--exact",
@@ -190,6 +193,9 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         defer_ab(eng, a, target)
     if a.defer_next_ab:
         defer_next_ab(eng, a, target)
+    if a.rmlp_balance_ab:
+        tag = {True: "resident MLP grid balanced", False: "resident MLP grid: every block that fits"}.get
+        cuda_setting_ab(eng, a, target, "_RMLP_BALANCE", [True, False] * 3, tag)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -423,6 +429,23 @@ def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
     and made in the MLP's launch, model_switch_ab."""
     print(f"9B-like delta-net layers whose input norm is folded into in_proj: {len(eng.model._folded_in)}")
     model_switch_ab(eng, a, target, "defer_next", ("next norm in the in_proj launch", "next norm in the MLP"))
+
+
+def cuda_setting_ab(eng: Engine, a: argparse.Namespace, settings: EngineSettings, name: str, values, tag) -> None:
+    """9B-like decode with `settings` at each of `values` of the kernels.cuda setting `name`, in that order, each run a
+    new session (its plans captured with that value); the tokens of every run against the first's. The setting is
+    restored after."""
+    from kernels import cuda as kc
+
+    was, first = getattr(kc, name), None
+    try:
+        for v in values:
+            setattr(kc, name, v)
+            tps, tokens = median_tps(eng, settings, a.n, a.reps)
+            first = tokens if first is None else first
+            print(f"9B-like, gemm auto [{tag(v)}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})")
+    finally:
+        setattr(kc, name, was)
 
 
 def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, name: str, values, tag) -> None:

@@ -2071,6 +2071,11 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) 
 # warps an SM, 8 loads in flight a lane, was the fastest).
 _RMLP_SMEM = 40 * 1024
 _RMLP_WARPS_PER_SM = 16
+# The resident MLP's activation tiles (I / warps) are dealt to its blocks round by round: with the blocks that fit
+# (264 on 132 SMs) a 9B-like MLP's 1536 tiles are 5.8 rounds, so 48 blocks end a round early while the rest make
+# their sixth tile, and the down product waits for the last. True: as few blocks as make the tiles in the same
+# number of rounds (256: six each). False: every block that fits. (bench/decode_ab.py --rmlp-balance-ab)
+_RMLP_BALANCE = False
 # The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once
 # instead of a wait that never ends; it then starts only once the kernel before it has drained. False (a bench
 # switch, bench/decode_ab.py --rmlp-coop-ab): a plain PDL launch whose blocks are scheduled as that kernel's leave.
@@ -2149,7 +2154,11 @@ def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
         return 0
     dev = _dev_index(x.device)
     fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
-    return _resident_grid(fn, dev, warps * 32, i * x.element_size())
+    grid = _resident_grid(fn, dev, warps * 32, i * x.element_size())
+    if grid and _RMLP_BALANCE:  # as few blocks as make the activation's tiles in as many rounds: each its share
+        tiles = i // warps
+        grid = -(-tiles // -(-tiles // grid))
+    return grid
 
 
 def gemv_mlp_add_rmsnorm(

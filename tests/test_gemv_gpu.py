@@ -582,6 +582,36 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
     assert torch.equal(y, y2) and torch.equal(s, s2)
 
 
+@pytest.mark.parametrize("i,k,n", [(12288, 4096, 4096), (1536, 1024, 1024)])
+def test_the_resident_mlp_balanced_grid_gives_the_same_bits(kc, i, k, n, monkeypatch):
+    """The resident MLP's grid cut to as few blocks as make its activation tiles in the same rounds (kernels.cuda
+    ._RMLP_BALANCE): no more blocks than fit, each block's tile count within one of every other's, and y and s bit
+    for bit those of every block that fits, with the norm and without it (y None), its counters back at zero."""
+    dtype = torch.bfloat16
+    gu, down = weight(2 * i, k, dtype), weight(n, i, dtype)
+    x, r = rows(1, k, dtype, seed=21), rows(1, n, dtype, seed=22)
+    nw = torch.randn(n, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(23)) * 0.1
+    for variant in ("res1.w8.s1", "res2.w8.s1", "res2.w4.s1"):
+        family, warps, _ = kc.registry.parse_gemv_variant(variant)
+        c = int(family[-1])
+        assert kc.gemv_mlp_fits(x, gu, down, variant), variant
+        runs = {}
+        for balance in (False, True):
+            monkeypatch.setattr(kc, "_RMLP_BALANCE", balance)
+            grid = kc._rmlp_grid(x, c, warps, i)
+            tiles = i // warps
+            runs[balance] = (grid, [kc.gemv_mlp_add_rmsnorm(x, gu, down, r, w, 1e-6, variant) for w in (nw, None)])
+            mcnt = kc._counters(CUDA, ("gemv_rmlp", down.data_ptr(), variant), 2)
+            assert mcnt.count_nonzero().item() == 0, (variant, balance)
+        (g0, want), (g1, got) = runs[False], runs[True]
+        rounds = -(-tiles // g0)
+        # the fewest blocks that make the tiles in as many rounds as every block that fits does
+        assert 0 < g1 <= g0 and g1 * rounds >= tiles > (g1 - 1) * rounds, (variant, g0, g1)
+        for (y, s), (y2, s2) in zip(got, want, strict=True):
+            assert torch.equal(s, s2) and (y is None) == (y2 is None), variant
+            assert y is None or torch.equal(y, y2), variant
+
+
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_resident_mlp_is_a_cooperative_launch_eager_and_captured(kc, pdl, monkeypatch):
     """A resident MLP's blocks wait for one another, so it is launched cooperatively (the driver then refuses a grid
