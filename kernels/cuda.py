@@ -2074,8 +2074,10 @@ _RMLP_WARPS_PER_SM = 16
 # The resident MLP's activation tiles (I / warps) are dealt to its blocks round by round: with the blocks that fit
 # (264 on 132 SMs) a 9B-like MLP's 1536 tiles are 5.8 rounds, so 48 blocks end a round early while the rest make
 # their sixth tile, and the down product waits for the last. True: as few blocks as make the tiles in the same
-# number of rounds (256: six each). False: every block that fits. (bench/decode_ab.py --rmlp-balance-ab)
-_RMLP_BALANCE = False
+# number of rounds (256: six each). False: every block that fits, only to measure it (bench/decode_ab.py
+# --rmlp-balance-ab; on an H100, 9B-like target-only 188.6 t/s against 188.3 in each of three interleaved pairs, the same
+# tokens: bench/results/h100-balance-2026-12-06.txt).
+_RMLP_BALANCE = True
 # The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once
 # instead of a wait that never ends; it then starts only once the kernel before it has drained. False (a bench
 # switch, bench/decode_ab.py --rmlp-coop-ab): a plain PDL launch whose blocks are scheduled as that kernel's leave.
