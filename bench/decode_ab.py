@@ -6,7 +6,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
                               [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
-                              [--defer-next-ab] [--rmlp-balance-ab]
+                              [--defer-next-ab] [--rmlp-balance-ab] [--defer-attn-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -30,6 +30,9 @@ interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gem
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
 in_proj launch (Model.defer_next: the MLP storing the residual stream only) and in the MLP's launch, interleaved.
+--defer-attn-ab: 9B-like target-only with the norm after each resident MLP left to the next attention layer's qkv
+product (Model.defer_attn: its input norm folded into qkv_packed, the qkv launch scaling its sums by the norm) and
+in the MLP's launch, interleaved.
 --rmlp-balance-ab: 9B-like target-only with the resident MLP's grid as few blocks as make its activation tiles in the
 same rounds (kernels.cuda._RMLP_BALANCE) and every block that fits, interleaved, each run a new session.
 """
@@ -132,6 +135,7 @@ def main() -> int:
     )
     ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
+    ap.add_argument("--defer-attn-ab", action="store_true", help="A/B the norm after the MLP left to the qkv product")
     ap.add_argument("--rmlp-balance-ab", action="store_true", help="A/B the resident MLP's balanced grid")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
@@ -193,6 +197,8 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
         defer_ab(eng, a, target)
     if a.defer_next_ab:
         defer_next_ab(eng, a, target)
+    if a.defer_attn_ab:
+        defer_attn_ab(eng, a, target)
     if a.rmlp_balance_ab:
         tag = {True: "resident MLP grid balanced", False: "resident MLP grid: every block that fits"}.get
         cuda_setting_ab(eng, a, target, "_RMLP_BALANCE", [True, False] * 3, tag)
@@ -427,8 +433,17 @@ def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None
 def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     """The norm after each resident MLP left to the next delta-net layer's fused in_proj launch (Model.defer_next)
     and made in the MLP's launch, model_switch_ab."""
-    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {len(eng.model._folded_in)}")
+    kinds = [eng.model.cfg.layer_types[i] for i in eng.model._folded_in]
+    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {kinds.count('linear_attention')}")
     model_switch_ab(eng, a, target, "defer_next", ("next norm in the in_proj launch", "next norm in the MLP"))
+
+
+def defer_attn_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
+    """The norm after each resident MLP left to the next attention layer's qkv product (Model.defer_attn: the MLP
+    storing s only, the qkv launch scaling its sums by the norm) and made in the MLP's launch, model_switch_ab."""
+    kinds = [eng.model.cfg.layer_types[i] for i in eng.model._folded_in]
+    print(f"9B-like attention layers whose input norm is folded into qkv: {kinds.count('full_attention')}")
+    model_switch_ab(eng, a, target, "defer_attn", ("next norm in the qkv launch", "next norm in the MLP"))
 
 
 def cuda_setting_ab(eng: Engine, a: argparse.Namespace, settings: EngineSettings, name: str, values, tag) -> None:

@@ -220,6 +220,24 @@ class GemvProducts:
                 return ops.gemv_add_rmsnorm(x, w, residual, weight, eps, choice)
         return ops.add_rmsnorm(self(x, w), residual, weight, eps)
 
+    def norm_product(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rmsnorm(x) with no weight, w) for a layer's input rows x (the residual stream) whose norm's weight is
+        folded into w (Model.fold_norms): one launch that norms in the product where the choice for w is a gemv
+        kernel that can (ops.gemv_norm), else the norm first."""
+        if self.takes(x, w):
+            choice = self.choice(x.shape[0], w)
+            if choice != "cublas":
+                return ops.gemv_norm(x, w, eps, choice)
+        return self(ops.unit_rmsnorm(x, eps), w)
+
+    def product_norms(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether norm_product of rows like x (one row: a decode step) norms them in the product's launch
+        (Model.fold_norms folds an attention layer's input norm into its qkv product only there)."""
+        if not self.takes(x, w) or self.mode == "exact":
+            return False
+        choice = self.choice(x.shape[0], w)
+        return choice != "cublas" and ops.gemv_norms(x, w, choice)
+
     def silu_mul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """silu_mul(self(x, w)) for the MLP's packed gate|up weight: one fused launch where the product runs a
         gemv kernel without K splits (the same sums, so the same bits as the two launches)."""

@@ -89,10 +89,14 @@ class Model:
         # ... and the norm after that MLP left to the next layer's fused in_proj launch where its weight is folded
         # there (fold_norms); off only to measure it (bench/decode_ab.py --defer-next-ab)
         self.defer_next = True
+        # ... where the next layer is an attention layer whose qkv product norms its own input in its launch
+        # (GemvProducts.product_norms; its input norm's weight folded into qkv_packed: fold_norms); off only to
+        # measure it (bench/decode_ab.py --defer-attn-ab: the MLP then makes that norm, with the zeroed weight)
+        self.defer_attn = False
         # the layer prefixes whose post-attention norm weight is folded into their MLP's gate|up (fold_norms)
         self._folded: set[str] = set()
-        # the delta-net layers whose input norm weight is folded into their in_proj (fold_norms): the MLP before
-        # each leaves that norm to the layer's fused in_proj launch (out_mlp's defer_next)
+        # the layers whose input norm weight is folded into their first product (fold_norms): a delta-net's in_proj,
+        # an attention layer's qkv; the MLP before each leaves that norm to that product's launch (out_mlp's defer_next)
         self._folded_in: set[int] = set()
         # plans captured with programmatic dependent launch (option "pdl", kernels/pdl.py): on by default where
         # the GPU and driver have it (sm_90+), set below once the rest is in place
@@ -253,13 +257,19 @@ class Model:
                 continue
             _fold_norm(gate_up, self.w[p + "post_attention_layernorm.weight"])
             self._folded.add(p)
-        # The norm after such an MLP where the next layer is a delta-net whose fused in_proj launch norms its own
-        # input (GemvProducts.rule_norms): its weight into that in_proj's columns, the MLP then storing s only.
+        # The norm after such an MLP where the next layer's first product norms its own input: a delta-net's fused
+        # in_proj launch (GemvProducts.rule_norms), an attention layer's qkv product (product_norms): its weight into
+        # that product's columns, the MLP then storing s only.
         for i, kind in enumerate(self.cfg.layer_types):
-            if i == 0 or kind == "full_attention" or i in self._folded_in or f"layers.{i - 1}." not in self._folded:
+            if i == 0 or i in self._folded_in or f"layers.{i - 1}." not in self._folded:
                 continue
-            w_in = self.w[f"layers.{i}.linear_attn.in_proj_packed"]
-            if not self._gemv.rule_norms(row, w_in):
+            if kind == "full_attention":
+                w_in = self.w[f"layers.{i}.self_attn.qkv_packed"]
+                norms = self._gemv.product_norms(row, w_in)
+            else:
+                w_in = self.w[f"layers.{i}.linear_attn.in_proj_packed"]
+                norms = self._gemv.rule_norms(row, w_in)
+            if not norms:
                 continue
             _fold_norm(w_in, self.w[f"layers.{i}.input_layernorm.weight"])
             self._folded_in.add(i)
@@ -318,13 +328,23 @@ class Model:
         return ops.silu_mul(self.linear(x, w))
 
     def _attention(
-        self, p: str, x: torch.Tensor, start: int | torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        p: str,
+        x: torch.Tensor,
+        start: int | torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        x_eps: float | None = None,
     ) -> torch.Tensor:
+        """The attention mixer of layer prefix p on its normed input x, or with x_eps on the residual stream x whose
+        input norm is folded into qkv_packed (fold_norms; the qkv product norms it: GemvProducts.norm_product)."""
         cfg, w = self.cfg, self.w
         t = x.shape[0]
         d = cfg.head_dim
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        qg, k, v = self.linear(x, w[p + "self_attn.qkv_packed"]).split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
+        w_qkv = w[p + "self_attn.qkv_packed"]
+        qkv = self.linear(x, w_qkv) if x_eps is None else self._gemv.norm_product(x, w_qkv, x_eps)
+        qg, k, v = qkv.split([hq * 2 * d, hkv * d, hkv * d], dim=-1)
         qg = qg.reshape(t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
         k, v = k.reshape(t, hkv, d), v.reshape(t, hkv, d)
@@ -409,8 +429,9 @@ class Model:
         h, residual = ops.embed_rmsnorm(ids, w["embed_tokens.weight"], w["layers.0.input_layernorm.weight"], eps)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            if kind == "full_attention":
-                a = self._attention(p, h, start, state.k_cache[i], state.v_cache[i])
+            if kind == "full_attention":  # h None: the MLP before left this layer's input norm to its qkv launch
+                x_eps = eps if h is None else None
+                a = self._attention(p, residual if h is None else h, start, state.k_cache[i], state.v_cache[i], x_eps)
                 out_w = w[p + "self_attn.o_proj.weight"]
             else:  # h None: the MLP before left this layer's input norm to its fused in_proj launch
                 a = self._delta_net(
@@ -427,7 +448,7 @@ class Model:
                 w[p + "post_attention_layernorm.weight"],
                 next_norm,
                 eps,
-                i + 1 in self._folded_in,
+                i + 1 in self._folded_in and (self.defer_attn or cfg.layer_types[i + 1] != "full_attention"),
             )
         return h
 

@@ -1941,6 +1941,35 @@ def gemv_add_rmsnorm(
     return launched
 
 
+# The plain products with the deferred norm in their launch (op gemv_norm): one row, no K split.
+_NX_KERNELS = ("gemv_simt_m1_c1", "gemv_simt_m1_c2", "gemv_tc_t1_c1", "gemv_tc_t1_c2")
+
+
+def gemv_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
+    """Whether gemv_norm norms the rows x in the product's own launch for `variant` (one row, 16-byte vectors, a
+    launch without K splits), rather than rmsnorm first."""
+    if not (gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0] and x.shape[0] == 1 and _gemv_vec_ok(x, w)):
+        return False
+    name, *_, splits = _gemv_launch(x, w, variant)
+    return splits == 1 and name in _NX_KERNELS
+
+
+def gemv_norm(x: torch.Tensor, w: torch.Tensor, eps: float, variant: str | None = None) -> torch.Tensor:
+    """gemv(rmsnorm(x) with no weight, w) (issue 20, the deferred norm): x is the residual stream and w carries the
+    norm's weight folded into its columns (Model.fold_norms). Where gemv_norms says so, one launch whose warps
+    (CUDA cores) or blocks (tensor cores) sum x's squares as they read it and scale their sums by rsqrt(mean(x^2) +
+    eps) after the product (within a rounding of the norm then the product: the normed row is not rounded to the
+    dtype between them); otherwise rmsnorm first, then gemv."""
+    if not gemv_norms(x, w, variant):
+        return gemv(_unit_rmsnorm(x, eps), w, variant)
+    name, grid, block, smem, _, _ = _gemv_launch(x, w, variant)
+    m, n = x.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    args = la.GemvNormArgs(x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, M=m, N=n, K=x.shape[1], xeps=eps)
+    _launch_gemv(name + "_nx", x.dtype, x.device, grid, block, args, smem)
+    return out
+
+
 def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """gemv_add_rmsnorm's launch without its norm (issue 20, the deferred norm): the "_an" form given no y stores
     only s = gemv(x, w) + residual (bit for bit gemv_add_rmsnorm's s), with no counter round trip and no norm at the

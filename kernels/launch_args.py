@@ -244,6 +244,12 @@ GemvArgs = builder(
     *(f"gemv_simt_m{mb}_c{c}" for mb in (1, 4, 8, 17) for c in (1, 2)),
     *(f"gemv_tc_t{mt}_c{ct}" for mt in (1, 2, 3) for ct in (1, 2)),
 )
+GemvNormArgs = builder(
+    "GemvNormArgs",
+    "ptr x, i64 xs, ptr w, i64 wsr, ptr out, i32 M, i32 N, i32 K, f32 xeps",
+    *(f"gemv_simt_m1_c{c}_nx" for c in (1, 2)),
+    *(f"gemv_tc_t1_c{ct}_nx" for ct in (1, 2)),
+)
 GemvDeltaArgs = builder(
     "GemvDeltaArgs",
     (

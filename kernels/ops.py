@@ -27,6 +27,7 @@ synthetic_accept = reference.synthetic_accept
 gemv = reference.gemv
 gemv_add_rmsnorm = reference.gemv_add_rmsnorm
 gemv_add = reference.gemv_add
+gemv_norm = reference.gemv_norm
 gemv_silu_mul = reference.gemv_silu_mul
 gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
 mtp_prefc = reference.mtp_prefc
@@ -151,6 +152,16 @@ def gemv_rule_norms(x, w, variant) -> bool:
     from . import cuda
 
     return cuda.gemv_rule_norms(x, w, variant)
+
+
+def gemv_norms(x, w, variant) -> bool:
+    """Whether gemv_norm norms the rows x in the product's own launch for `variant` (with the CUDA kernels bound),
+    rather than rmsnorm first."""
+    if not _cuda_enabled:
+        return False
+    from . import cuda
+
+    return cuda.gemv_norms(x, w, variant)
 
 
 def gemv_silu_one_launch(x, w_gate_up, variant) -> bool:

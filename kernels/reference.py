@@ -478,6 +478,13 @@ def gemv_add(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, variant: 
     return gemv(x, w, variant) + residual
 
 
+def gemv_norm(x: torch.Tensor, w: torch.Tensor, eps: float, variant: str | None = None) -> torch.Tensor:
+    """The product of a layer's input rows whose norm is deferred to it (issue 20): x is the residual stream and w
+    carries the norm's weight folded into its columns (Model.fold_norms), so the product's input is rmsnorm(x) with no
+    weight: gemv(rmsnorm(x, 0), w). The CUDA form norms in the product's launch (one row)."""
+    return gemv(unit_rmsnorm(x, eps), w, variant)
+
+
 def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """The MLP's product and activation: silu_mul(gemv(x, w)) for the packed gate|up weight w [2 I, K] -> [M, I].
     The CUDA form makes both in one launch."""

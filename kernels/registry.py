@@ -38,6 +38,7 @@ NAMES = (
     "gemv",
     "gemv_add_rmsnorm",
     "gemv_add",
+    "gemv_norm",
     "gemv_silu_mul",
     "gemv_mlp_add_rmsnorm",
     "mtp_prefc",

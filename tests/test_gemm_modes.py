@@ -500,10 +500,11 @@ def test_the_norm_before_a_resident_mlp_of_one_row_is_left_to_it(fake, monkeypat
 def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once(tiny_model_dir):
     """Model.fold_norms (set_gemm, where the MLP of one row is resident): each such MLP's gate|up takes its norm's
     weight (W (1 + w) columnwise) and the norm's weight becomes zero, and so does the input norm of each delta-net
-    layer after such an MLP whose fused in_proj launch norms its input (GemvProducts.rule_norms: into its in_proj);
+    layer after such an MLP whose fused in_proj launch norms its input (GemvProducts.rule_norms: into its in_proj),
+    and of each attention layer after one whose qkv product norms its input (product_norms: into its qkv);
     the model's hidden states stay within fp32 rounding of the unfolded model's; a second call changes nothing; an
-    MLP auto did not make resident, a layer after an MLP left as it was, an attention layer, or mode "exact", is
-    left as it was."""
+    MLP auto did not make resident, a layer after an MLP left as it was, an attention layer whose qkv product does not
+    norm, or mode "exact", is left as it was."""
     from engine import Engine
 
     eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
@@ -516,14 +517,17 @@ def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once
     class Resident:  # what fold_norms asks of GemvProducts: the one-row MLP's choice per (gate|up, down)
         mode = "auto"
 
-        def __init__(self, resident):
-            self.resident = resident
+        def __init__(self, resident, qkv_norms=frozenset()):
+            self.resident, self.qkv_norms = resident, qkv_norms
 
         def mlp_choice(self, row, gu, down):
             return "res2.w8.s1" if gu.data_ptr() in self.resident else "cublas"
 
         def rule_norms(self, row, w_in):  # every in_proj's fused launch norms its input
             return row.shape == (1, w_in.shape[1])
+
+        def product_norms(self, row, w_in):  # the qkv products named norm their input in their launch
+            return row.shape == (1, w_in.shape[1]) and w_in.data_ptr() in self.qkv_norms
 
     in_projs = {n: t.clone() for n, t in m.w.items() if n.endswith("in_proj_packed")}
     inputs = {n: t.clone() for n, t in m.w.items() if n.endswith("input_layernorm.weight")}
@@ -545,18 +549,27 @@ def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once
     for n, t in in_projs.items():
         assert torch.equal(m.w[n], t) != (n in after_first), n
     types = m.cfg.layer_types
-    m._gemv = Resident({t.data_ptr() for n, t in m.w.items() if n.endswith("mlp.gate_up_packed")})
+    attn = [i for i in range(1, len(types)) if types[i] == "full_attention"]
+    assert len(attn) >= 2
+    qkvs = {n: t.clone() for n, t in m.w.items() if n.endswith("qkv_packed")}
+    norming = attn[1:]  # the first attention layer's qkv product cannot norm its input (a K-split choice, say)
+    qkv_norms = {m.w[f"layers.{i}.self_attn.qkv_packed"].data_ptr() for i in norming}
+    m._gemv = Resident({t.data_ptr() for n, t in m.w.items() if n.endswith("mlp.gate_up_packed")}, qkv_norms)
     m.fold_norms()
     folded = {n: m.w[n].clone() for n in gate_ups}
     m.fold_norms()  # once a layer
     assert all(torch.equal(m.w[n], folded[n]) for n in gate_ups)
     assert all(t.count_nonzero() == 0 for n, t in m.w.items() if n.endswith("post_attention_layernorm.weight"))
     delta_after = {i for i in range(1, len(types)) if types[i] != "full_attention"}
-    assert m._folded_in == delta_after and delta_after  # every delta-net layer but the first
+    # every delta-net layer but the first, and the attention layers whose qkv product norms its input
+    assert m._folded_in == delta_after | set(norming) and delta_after
     for n, t in inputs.items():
         i = int(n.split(".")[1]) if n.startswith("layers.") else -1
-        assert (m.w[n].count_nonzero() == 0) == (i in delta_after), n  # attention, layer 0, the MTP head: as it was
-        assert i in delta_after or torch.equal(m.w[n], t), n
+        assert (m.w[n].count_nonzero() == 0) == (i in m._folded_in), n  # the others, layer 0, the MTP head: as it was
+        assert i in m._folded_in or torch.equal(m.w[n], t), n
+    for n, t in qkvs.items():
+        i = int(n.split(".")[1]) if n.startswith("layers.") else -1
+        assert torch.equal(m.w[n], t) != (i in norming), n
     m._gemv = None
     after = m.forward_layers(ids, eng.new_session().state, 0, False)
     assert torch.allclose(after, before, atol=1e-5, rtol=1e-4)

@@ -195,9 +195,10 @@ def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, ba
 def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16(path, monkeypatch):
     """Where a resident MLP of one row is followed by a delta-net layer whose fused in_proj launch norms its input
     (here for any in_proj size), that layer's input norm is folded into its in_proj (its weight zero) and the MLP
-    stores the residual stream only, the in_proj launch scaling its sums by the norm (x_eps): a one-token forward
-    launches each such MLP with no norm and each such in_proj with its norm, nothing falls back, and the hidden
-    state is within bf16 rounding of the same folded model with the norm made in the MLP and of the unfolded
+    stores the residual stream only, the in_proj launch scaling its sums by the norm (x_eps); likewise an attention
+    layer whose qkv product norms its input in its launch (gemv_norm), with Model.defer_attn: a one-token forward
+    launches each such MLP with no norm and each such in_proj or qkv with its norm, nothing falls back, and the
+    hidden state is within bf16 rounding of the same folded model with the norm made in the MLP and of the unfolded
     model's; a captured plan gives the eager tokens."""
     import kernels.cuda as kc
     from engine import gemm
@@ -220,25 +221,38 @@ def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16
             launched.append("mlp, no norm")
         elif "_dr" in name and args.xnorm:
             launched.append("in_proj with its norm")
+        elif name.endswith("_nx"):
+            launched.append("qkv with its norm")
         return real(name, dtype, device, grid, block, args, *rest, **kw)
 
     monkeypatch.setattr(kc, "_launch_gemv", record)
     before = dict(ops.fallbacks())
     ids = torch.tensor([11], device="cuda")
     hidden = {}
-    for defer in (True, False):
-        eng.model.defer_next = defer
+    kinds = eng.model.cfg.layer_types
+    # (defer_next, defer_attn): the attention layers' deferral needs both
+    for defer, attn in ((True, True), (True, False), (False, True)):
+        eng.model.defer_next, eng.model.defer_attn = defer, attn
         launched.clear()
-        hidden[defer] = eng.model.forward(ids, eng.new_session().state).float()
-        n = len(folded_in) if defer else 0
-        assert launched == ["mlp, no norm", "in_proj with its norm"] * n, (defer, launched)
-    eng.model.defer_next = True
+        hidden[defer, attn] = eng.model.forward(ids, eng.new_session().state).float()
+        want = []
+        for i in folded_in if defer else ():
+            if kinds[i] != "full_attention":
+                want += ["mlp, no norm", "in_proj with its norm"]
+            elif attn:
+                want += ["mlp, no norm", "qkv with its norm"]
+        assert launched == want, (defer, attn, launched)
+    eng.model.defer_next, eng.model.defer_attn = True, False
     assert ops.fallbacks() == before
     unfolded = plain.model.forward(ids, plain.new_session().state).float()
-    for want, what in ((hidden[False], "the norm in the MLP"), (unfolded, "unfolded")):
-        torch.testing.assert_close(hidden[True], want, rtol=5e-2, atol=3e-2 * want.abs().max().item(), msg=what)
+    for got in (hidden[True, True], hidden[True, False]):
+        for want, what in ((hidden[False, True], "the norm in the MLP"), (unfolded, "unfolded")):
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=3e-2 * want.abs().max().item(), msg=what)
     prompt = "def f(x):"
-    eager = eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=0)).tokens
-    assert eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=8)).tokens == eager
+    for attn in (True, False):
+        eng.model.defer_attn = attn
+        eager = eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=0)).tokens
+        assert eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=8)).tokens == eager, attn
+    eng.model.defer_attn = False
     eng.close()
     plain.close()

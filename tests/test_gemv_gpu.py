@@ -582,6 +582,56 @@ def test_gemv_mlp_add_rmsnorm_one_launch_is_the_launches_it_replaces(kc, dtype, 
     assert torch.equal(y, y2) and torch.equal(s, s2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(10240, 4096), (640, 384)])
+def test_gemv_norm_norms_one_row_in_the_products_launch(kc, dtype, n, k):
+    """The product of a layer's input row with its norm deferred to it (gemv_norm: x the residual stream, the norm's
+    weight folded into W): for one row and a launch without K splits, one "_nx" launch whose result is as near the
+    fp32 truth (the norm with its weight, then the unfolded product) as the norm first then the folded product and the
+    reference in the dtype are (fp32: within its sums' rounding of the norm first); for a K-split variant or four rows, the norm first, then the product: the bits of
+    rmsnorm (no weight) then gemv. Captured and replayed on new rows: the eager bits."""
+    g = torch.Generator(device=CUDA).manual_seed(n + k)
+    w = (torch.randn(n, k, device=CUDA, generator=g) * k**-0.5).to(dtype)
+    w_in = torch.randn(k, device=CUDA, generator=g) * 0.1  # the input norm's weight (zero-centred)
+    folded = (w.float() * (1.0 + w_in)[None, :]).to(dtype)
+    zero = torch.zeros(k, device=CUDA)
+    ulp = torch.finfo(dtype).eps
+
+    def err(got, want):
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    variants = ["simt1.w4.s1", "simt2.w4.s1", "simt1.w8.s1"]
+    if kc._tensor_cores(dtype, CUDA):
+        variants += ["tc1.w8.s1", "tc2.w8.s1", "tc2.w4.s1"]
+    for variant in [*variants, "simt2.w4.s2"]:
+        x = rows(1, k, dtype, seed=90) * 3.0  # the residual stream, not unit-normed
+        split = kc._gemv_launch(x, folded, variant)[5] > 1
+        assert kc.gemv_norms(x, folded, variant) == (not split), variant
+        got, names = _launched(kc, lambda x=x, v=variant: kc.gemv_norm(x, folded, 1e-6, v))
+        first = kc.gemv(kc.rmsnorm(x, zero, 1e-6), folded, variant)
+        if split:
+            assert torch.equal(got, first) and not any(nm.endswith("_nx") for nm in names), (variant, names)
+            continue
+        assert len(names) == 1 and names[0].endswith("_nx"), (variant, names)
+        if dtype == torch.float32:  # fp32: within fp32 sums' rounding of the norm first
+            close(got, first, f"fp32 {variant}")
+        else:
+            truth = ref.gemv(ref.rmsnorm(x.float(), w_in, 1e-6), w.float())
+            worst = max(err(first, truth), err(ref.gemv(ref.rmsnorm(x, w_in, 1e-6), w), truth))
+            assert err(got, truth) <= 2.0 * worst + ulp, (dtype, variant, err(got, truth), worst)
+        x_in = x.clone()
+        graph, outs = captured(lambda x_in=x_in, v=variant: kc.gemv_norm(x_in, folded, 1e-6, v))
+        for seed in range(2):
+            x_in.copy_(rows(1, k, dtype, seed=91 + seed) * 2.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs, kc.gemv_norm(x_in, folded, 1e-6, variant)), (variant, seed)
+    x4 = rows(4, k, dtype, seed=95)
+    assert not kc.gemv_norms(x4, folded, "simt1.w4.s1")
+    got = kc.gemv_norm(x4, folded, 1e-6, "simt1.w4.s1")
+    assert torch.equal(got, kc.gemv(kc.rmsnorm(x4, zero, 1e-6), folded, "simt1.w4.s1"))
+
+
 @pytest.mark.parametrize("i,k,n", [(12288, 4096, 4096), (1536, 1024, 1024)])
 def test_the_resident_mlp_balanced_grid_gives_the_same_bits(kc, i, k, n, monkeypatch):
     """The resident MLP's grid cut to as few blocks as make its activation tiles in the same rounds (kernels.cuda

@@ -635,6 +635,18 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
         gv_simt<GV_MB, 2, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, vec_ok, GvEpi{}, blockIdx.x);    \
     }
 
+// The product of a layer's input row (op gemv_norm, GemvNormArgs; one row, no K split): x is the residual stream and
+// W carries the input norm's weight (folded: Model.fold_norms), so the product's input is rmsnorm(x) with no weight;
+// each warp sums x's squares as it reads it and scales its sums by the norm after its FMAs (gv_simt_cols's NX).
+#define GEMV_SIMT_NX(GV_C)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m1_c##GV_C##_nx(                    \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, float xeps) {                                           \
+        PDL_TRIGGER();                                                                                            \
+        gv_simt<1, GV_C, false, false, 0, 4, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, 1, GvEpi{},          \
+                                                   blockIdx.x, -1, 0, nullptr, 0, xeps);                         \
+    }
+
 // ---- the MLP of one row in one launch (op gemv_mlp_add_rmsnorm) ------------------------------------------
 // gemv_simt_m1_c{C}_mlp (GemvMlpArgs): act [1, I] = silu_mul of the packed gate|up product x @ Wg^T (Wg [2 I, K],
 // gemv_simt_m1_c2_sm's code: a warp a column), then the down projection act @ Wd^T (Wd [N, I], gemv_simt_m1_c{C}'s
@@ -818,6 +830,8 @@ GEMV_SIMT_RMLP(1)
 GEMV_SIMT_RMLP(2)
 GEMV_SIMT_SM(8)
 GEMV_SIMT_SM(17)
+GEMV_SIMT_NX(1)
+GEMV_SIMT_NX(2)
 #endif
 
 // ---- tensor-core kernel (bf16 / fp16, sm_80+) -------------------------------------------------------------
@@ -1067,6 +1081,15 @@ __device__ __forceinline__ void gv_tc(const scalar_t* __restrict__ x, long long 
         gv_tc<GV_MT, GV_CT, false, false>(x, xs, w, wsr, nullptr, part, M, N, K, kchunk, GvEpi{}, blockIdx.x);   \
         gv_split_silu(part, (int)gridDim.y, M, N / 2, 16 * GV_CT, out, cnt);                                     \
     }
+// op gemv_norm's tensor-core form (as gemv_simt_m1_c{C}_nx: one row, no K split; the block's warps' sums of squares added in
+// warp order, its sums scaled after the mmas: gv_tc's NX).
+#define GEMV_TC_NX(GV_CT)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_tc_t1_c##GV_CT##_nx(                     \
+        const scalar_t* __restrict__ x, long long xs, const scalar_t* __restrict__ w, long long wsr,              \
+        scalar_t* __restrict__ out, int M, int N, int K, float xeps) {                                           \
+        PDL_TRIGGER();                                                                                            \
+        gv_tc<1, GV_CT, false, false, true>(x, xs, w, wsr, out, nullptr, M, N, K, K, GvEpi{}, blockIdx.x, xeps); \
+    }
 #ifndef GV_DR_DK
 GEMV_TC(1, 1)
 GEMV_TC(2, 1)
@@ -1074,6 +1097,8 @@ GEMV_TC(3, 1)
 GEMV_TC(1, 2)
 GEMV_TC(2, 2)
 GEMV_TC(3, 2)
+GEMV_TC_NX(1)
+GEMV_TC_NX(2)
 #endif
 
 // ---- split-K combine ----------------------------------------------------------------------------------------
