@@ -91,8 +91,9 @@ class Model:
         self.defer_next = True
         # ... where the next layer is an attention layer whose qkv product norms its own input in its launch
         # (GemvProducts.product_norms; its input norm's weight folded into qkv_packed: fold_norms); off only to
-        # measure it (bench/decode_ab.py --defer-attn-ab: the MLP then makes that norm, with the zeroed weight)
-        self.defer_attn = False
+        # measure it (bench/decode_ab.py --defer-attn-ab: the MLP then makes that norm, with the zeroed weight; on an
+        # H100, 192.1 against 191.5 t/s a 9B-like token, 8 attention layers: bench/results/h100-balance-2026-12-06.txt)
+        self.defer_attn = True
         # the layer prefixes whose post-attention norm weight is folded into their MLP's gate|up (fold_norms)
         self._folded: set[str] = set()
         # the layers whose input norm weight is folded into their first product (fold_norms): a delta-net's in_proj,

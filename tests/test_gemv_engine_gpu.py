@@ -242,7 +242,7 @@ def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16
             elif attn:
                 want += ["mlp, no norm", "qkv with its norm"]
         assert launched == want, (defer, attn, launched)
-    eng.model.defer_next, eng.model.defer_attn = True, False
+    eng.model.defer_next, eng.model.defer_attn = True, True
     assert ops.fallbacks() == before
     unfolded = plain.model.forward(ids, plain.new_session().state).float()
     for got in (hidden[True, True], hidden[True, False]):
@@ -253,6 +253,6 @@ def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16
         eng.model.defer_attn = attn
         eager = eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=0)).tokens
         assert eng.generate(prompt, 16, EngineSettings(speculative=False, plan_pool=8)).tokens == eager, attn
-    eng.model.defer_attn = False
+    eng.model.defer_attn = True
     eng.close()
     plain.close()
