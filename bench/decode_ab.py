@@ -446,10 +446,12 @@ def defer_attn_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
     model_switch_ab(eng, a, target, "defer_attn", ("next norm in the qkv launch", "next norm in the MLP"))
 
 
-def cuda_setting_ab(eng: Engine, a: argparse.Namespace, settings: EngineSettings, name: str, values, tag) -> None:
-    """9B-like decode with `settings` at each of `values` of the kernels.cuda setting `name`, in that order, each run a
-    new session (its plans captured with that value); the tokens of every run against the first's. The setting is
-    restored after."""
+def cuda_setting_ab(
+    eng: Engine, a: argparse.Namespace, settings: EngineSettings, name: str, values, tag, what: str = "9B-like"
+) -> None:
+    """Decode with `settings` at each of `values` of the kernels.cuda setting `name`, in that order, each run a new
+    session (its plans captured with that value), a line each ("<what>, gemm auto [<tag(value)>]"); the tokens of
+    every run against the first's. The setting is restored after."""
     from kernels import cuda as kc
 
     was, first = getattr(kc, name), None
@@ -458,7 +460,7 @@ def cuda_setting_ab(eng: Engine, a: argparse.Namespace, settings: EngineSettings
             setattr(kc, name, v)
             tps, tokens = median_tps(eng, settings, a.n, a.reps)
             first = tokens if first is None else first
-            print(f"9B-like, gemm auto [{tag(v)}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})")
+            print(f"{what}, gemm auto [{tag(v)}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})")
     finally:
         setattr(kc, name, was)
 
@@ -467,24 +469,14 @@ def resident_setting_ab(eng: Engine, a: argparse.Namespace, target: EngineSettin
     """Target-only decode with the resident MLP (res2.w8.s1, whatever auto's timing took) at each of `values` of the
     kernels.cuda setting `name`, in that order, each run a new session (its plans captured with that value); the
     tokens of every run against the first's. The setting and auto's choices are restored after."""
-    from kernels import cuda as kc
-
     g = eng.model._gemv
     auto = dict(g.mlp_choices)
     print("9B-like MLP choices: " + ", ".join(f"{k} {v}" for k, v in auto.items()))
     g.mlp_choices = {key: "res2.w8.s1" for key in auto}  # the resident form whatever auto's timing took
-    was, first = getattr(kc, name), None
     try:
-        for v in values:
-            setattr(kc, name, v)
-            tps, tokens = median_tps(eng, target, a.n, a.reps)
-            first = tokens if first is None else first
-            print(
-                f"9B-like target-only, gemm auto [resident MLP res2.w8.s1, {tag(v)}]: {tps:.1f} t/s"
-                f" (tokens as the first run's: {tokens == first})"
-            )
+        resident = lambda v: f"resident MLP res2.w8.s1, {tag(v)}"  # noqa: E731
+        cuda_setting_ab(eng, a, target, name, values, resident, "9B-like target-only")
     finally:  # the runs after it (the plain target-only figure) as auto chose
-        setattr(kc, name, was)
         g.mlp_choices = auto
 
 
