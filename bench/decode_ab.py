@@ -430,19 +430,22 @@ def defer_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None
     model_switch_ab(eng, a, target, "defer_norm", ("norm deferred to the MLP", "norm in the projection"))
 
 
+def folded_in(eng: Engine, kind: str) -> int:
+    """The layers of `kind` whose input norm Model.fold_norms folded into their first product."""
+    return sum(eng.model.cfg.layer_types[i] == kind for i in eng.model._folded_in)
+
+
 def defer_next_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     """The norm after each resident MLP left to the next delta-net layer's fused in_proj launch (Model.defer_next)
     and made in the MLP's launch, model_switch_ab."""
-    kinds = [eng.model.cfg.layer_types[i] for i in eng.model._folded_in]
-    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {kinds.count('linear_attention')}")
+    print(f"9B-like delta-net layers whose input norm is folded into in_proj: {folded_in(eng, 'linear_attention')}")
     model_switch_ab(eng, a, target, "defer_next", ("next norm in the in_proj launch", "next norm in the MLP"))
 
 
 def defer_attn_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
     """The norm after each resident MLP left to the next attention layer's qkv product (Model.defer_attn: the MLP
     storing s only, the qkv launch scaling its sums by the norm) and made in the MLP's launch, model_switch_ab."""
-    kinds = [eng.model.cfg.layer_types[i] for i in eng.model._folded_in]
-    print(f"9B-like attention layers whose input norm is folded into qkv: {kinds.count('full_attention')}")
+    print(f"9B-like attention layers whose input norm is folded into qkv: {folded_in(eng, 'full_attention')}")
     model_switch_ab(eng, a, target, "defer_attn", ("next norm in the qkv launch", "next norm in the MLP"))
 
 

@@ -302,19 +302,19 @@ class Model:
         post_norm: torch.Tensor,
         next_norm: torch.Tensor,
         eps: float,
-        next_folded: bool = False,
+        defer_next: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The rest of layer prefix p after its mixer's output a: proj_add_norm(a, out_w, residual, post_norm), then
         mlp_add_norm with the next norm -> (normed, new residual). On one GPU with the gemv kernels, where the MLP is
         one resident launch of one row, the projection leaves its norm to the MLP (GemvProducts.add_mlp_add_rmsnorm:
-        no norm at the end of the projection's launch; the same rows within a rounding), and where next_folded (the
-        next layer's input norm is folded into its in_proj) the MLP leaves the next norm to that layer: (None,
-        residual)."""
+        no norm at the end of the projection's launch; the same rows within a rounding), and where defer_next (the
+        next layer's input norm is folded into its first product, which norms it: _defers_to) the MLP leaves the next
+        norm to that layer: (None, residual)."""
         if self._gemv is not None and not self.group.active and self.fuse_norm and self.fuse_mlp and self.defer_norm:
             gate_up, down = self.w[p + "mlp.gate_up_packed"], self.w[p + "mlp.down_proj.weight"]
             folded = p in self._folded
             return self._gemv.add_mlp_add_rmsnorm(
-                a, out_w, residual, post_norm, gate_up, down, next_norm, eps, folded, next_folded and self.defer_next
+                a, out_w, residual, post_norm, gate_up, down, next_norm, eps, folded, defer_next
             )
         h, residual = self.proj_add_norm(a, out_w, residual, post_norm, eps)
         return self.mlp_add_norm(p, h, residual, next_norm, eps)
@@ -430,14 +430,13 @@ class Model:
         h, residual = ops.embed_rmsnorm(ids, w["embed_tokens.weight"], w["layers.0.input_layernorm.weight"], eps)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            if kind == "full_attention":  # h None: the MLP before left this layer's input norm to its qkv launch
-                x_eps = eps if h is None else None
-                a = self._attention(p, residual if h is None else h, start, state.k_cache[i], state.v_cache[i], x_eps)
+            # h None: the MLP before left this layer's input norm to its first product's launch (qkv, in_proj)
+            x, x_eps = (residual, eps) if h is None else (h, None)
+            if kind == "full_attention":
+                a = self._attention(p, x, start, state.k_cache[i], state.v_cache[i], x_eps)
                 out_w = w[p + "self_attn.o_proj.weight"]
-            else:  # h None: the MLP before left this layer's input norm to its fused in_proj launch
-                a = self._delta_net(
-                    i, residual if h is None else h, state, start, recurrent, eps if h is None else None
-                )
+            else:
+                a = self._delta_net(i, x, state, start, recurrent, x_eps)
                 out_w = w[p + "linear_attn.out_proj.weight"]
             # The residual add after the MLP is fused into the next norm (the next layer's, or the final one).
             next_norm = w[f"layers.{i + 1}.input_layernorm.weight"] if i + 1 < n else w["norm.weight"]
@@ -449,9 +448,16 @@ class Model:
                 w[p + "post_attention_layernorm.weight"],
                 next_norm,
                 eps,
-                i + 1 in self._folded_in and (self.defer_attn or cfg.layer_types[i + 1] != "full_attention"),
+                self._defers_to(i + 1),
             )
         return h
+
+    def _defers_to(self, j: int) -> bool:
+        """Whether the MLP before layer j leaves j's input norm to j's first product (fold_norms folded it there, and
+        the switch for j's kind is on: defer_next, and defer_attn for an attention layer)."""
+        if j not in self._folded_in or not self.defer_next:
+            return False
+        return self.defer_attn or self.cfg.layer_types[j] != "full_attention"
 
     def pick(
         self, hidden: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None

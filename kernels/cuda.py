@@ -1945,13 +1945,18 @@ def gemv_add_rmsnorm(
 _NX_KERNELS = ("gemv_simt_m1_c1", "gemv_simt_m1_c2", "gemv_tc_t1_c1", "gemv_tc_t1_c2")
 
 
-def gemv_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
-    """Whether gemv_norm norms the rows x in the product's own launch for `variant` (one row, 16-byte vectors, a
-    launch without K splits), rather than rmsnorm first."""
+def _nx_launch(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> tuple | None:
+    """`variant`'s launch (_gemv_launch) where gemv_norm norms x in it (one row, 16-byte vectors, no K split), else
+    None."""
     if not (gemv_takes(x, w) and gemv_kernels(x.device, x.dtype)[0] and x.shape[0] == 1 and _gemv_vec_ok(x, w)):
-        return False
-    name, *_, splits = _gemv_launch(x, w, variant)
-    return splits == 1 and name in _NX_KERNELS
+        return None
+    launch = _gemv_launch(x, w, variant)
+    return launch if launch[5] == 1 and launch[0] in _NX_KERNELS else None
+
+
+def gemv_norms(x: torch.Tensor, w: torch.Tensor, variant: str | None) -> bool:
+    """Whether gemv_norm norms the rows x in the product's own launch for `variant`, rather than rmsnorm first."""
+    return _nx_launch(x, w, variant) is not None
 
 
 def gemv_norm(x: torch.Tensor, w: torch.Tensor, eps: float, variant: str | None = None) -> torch.Tensor:
@@ -1960,9 +1965,10 @@ def gemv_norm(x: torch.Tensor, w: torch.Tensor, eps: float, variant: str | None 
     (CUDA cores) or blocks (tensor cores) sum x's squares as they read it and scale their sums by rsqrt(mean(x^2) +
     eps) after the product (within a rounding of the norm then the product: the normed row is not rounded to the
     dtype between them); otherwise rmsnorm first, then gemv."""
-    if not gemv_norms(x, w, variant):
+    launch = _nx_launch(x, w, variant)
+    if launch is None:
         return gemv(_unit_rmsnorm(x, eps), w, variant)
-    name, grid, block, smem, _, _ = _gemv_launch(x, w, variant)
+    name, grid, block, smem, _, _ = launch
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     args = la.GemvNormArgs(x=x, xs=x.stride(0), w=w, wsr=w.stride(0), out=out, M=m, N=n, K=x.shape[1], xeps=eps)
