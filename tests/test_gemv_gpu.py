@@ -834,6 +834,87 @@ def test_the_resident_mlp_scales_by_its_deferred_norm_after_its_products(kc, dty
     assert mcnt is not None and mcnt.count_nonzero().item() == 0
 
 
+@pytest.mark.parametrize(
+    "dtype,i,k,a_k",
+    [(torch.bfloat16, 12288, 4096, 4096), (torch.bfloat16, 3072, 1024, 2048), (torch.float32, 1536, 512, 1024)]
+    + [(torch.float16, 3072, 1024, 2048)],
+)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_projection_and_the_resident_mlp_in_one_launch(kc, dtype, i, k, a_k, pdl, monkeypatch):
+    """gemv_add_mlp (the projection whose output joins the residual stream, its norm deferred to the resident MLP
+    after it): one launch (gemv_simt_m1_c{C}_prmlp) whose y and s, with the norm after the MLP and without it (y None),
+    are bit for bit gemv_add with the variant's CUDA-core twin then the resident MLP with x_norm, for every resident
+    variant; close to the reference; its counters back at zero. A captured chain of three (each call's s the next
+    one's residual, on the same weights, with and without PDL) replays the eager chain's bits on new inputs. Where it
+    does not fit (two rows, a per-launch MLP variant, kernels.cuda._RMLP_PROJ off) the two ops, the same bits."""
+    if pdl and not kc.set_pdl(True):
+        pytest.skip("programmatic dependent launch is not available on this driver / GPU")
+    gu, down, w_out = weight(2 * i, k, dtype), weight(k, i, dtype), weight(k, a_k, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(i + k)
+    post, nxt = torch.randn(k, device=CUDA, generator=g) * 0.1, torch.randn(k, device=CUDA, generator=g) * 0.1
+    folded = (gu.float() * (1.0 + post)[None, :]).to(dtype)
+    a_in, r_in = rows(1, a_k, dtype, seed=61), rows(1, k, dtype, seed=62)
+
+    def two_ops(a, r, nw, variant):
+        mid = kc.gemv_add(a, w_out, r, kc.registry.gemv_twin(variant))
+        return kc.gemv_mlp_add_rmsnorm(mid, folded, down, mid, nw, 1e-6, variant, x_norm=True)
+
+    def same(got, want):
+        return (got[0] is None) == (want[0] is None) and all(
+            p is None or torch.equal(p, q) for p, q in zip(got, want, strict=True)
+        )
+
+    try:
+        for variant in ("res2.w8.s1", "res1.w8.s1", "res2.w4.s1"):
+            family = kc.registry.parse_gemv_variant(variant)[0]
+            assert kc.gemv_add_mlp_fits(a_in, w_out, r_in, folded, down, variant), variant
+            for nw in (nxt, None):
+                got, names = _launched(
+                    kc, lambda v=variant, nw=nw: kc.gemv_add_mlp(a_in, w_out, r_in, folded, down, nw, 1e-6, v)
+                )
+                assert names == [f"gemv_simt_m1_c{family[-1]}_prmlp"], (variant, names)
+                assert same(got, two_ops(a_in, r_in, nw, variant)), (variant, nw is None)
+                mcnt = kc._counters(CUDA, ("gemv_prmlp", down.data_ptr(), variant), 3)
+                assert mcnt is not None and mcnt.count_nonzero().item() == 0, variant
+        # close to the reference on the unfolded weight: (norm(a @ w_out^T + r) with post) -> MLP -> add + norm
+        y, s = kc.gemv_add_mlp(a_in, w_out, r_in, folded, down, nxt, 1e-6, "res2.w8.s1")
+        h_ref, s_ref = ref.gemv_add_rmsnorm(a_in, w_out, r_in, post, 1e-6)
+        want_y, want_s = ref.gemv_mlp_add_rmsnorm(h_ref, gu, down, s_ref, nxt, 1e-6)
+        rtol, scale = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.5e-2, 2e-3), torch.float16: (3e-3, 1e-3)}[dtype]
+        for got, want in ((s, want_s), (y, want_y)):
+            torch.testing.assert_close(got, want, rtol=rtol, atol=scale * want.float().abs().max().item())
+
+        def chain(a, r):
+            out = []
+            for nw in (None, nxt, None):
+                y, r = kc.gemv_add_mlp(a, w_out, r, folded, down, nw, 1e-6, "res2.w8.s1")
+                out += [r] if y is None else [y, r]
+            return out
+
+        graph, outs = captured(lambda: chain(a_in, r_in))
+        for seed in range(3):
+            a, r = rows(1, a_k, dtype, seed=70 + seed), rows(1, k, dtype, seed=80 + seed)
+            a_in.copy_(a)
+            r_in.copy_(r)
+            graph.replay()
+            want = chain(a, r)
+            torch.cuda.synchronize()
+            assert all(torch.equal(p, q) for p, q in zip(outs, want, strict=True)), seed
+        # where it does not fit: the two ops
+        a2, r2 = rows(2, a_k, dtype, seed=63), rows(2, k, dtype, seed=64)
+        assert not kc.gemv_add_mlp_fits(a2, w_out, r2, folded, down, "res2.w8.s1")
+        assert not kc.gemv_add_mlp_fits(a_in, w_out, r_in, folded, down, "simt2.w8.s2")
+        got, names = _launched(kc, lambda: kc.gemv_add_mlp(a_in, w_out, r_in, folded, down, nxt, 1e-6, "simt2.w8.s2"))
+        assert same(got, two_ops(a_in, r_in, nxt, "simt2.w8.s2")) and "gemv_simt_m1_c2_prmlp" not in names
+        monkeypatch.setattr(kc, "_RMLP_PROJ", False)
+        assert not kc.gemv_add_mlp_fits(a_in, w_out, r_in, folded, down, "res2.w8.s1")
+        got, names = _launched(kc, lambda: kc.gemv_add_mlp(a_in, w_out, r_in, folded, down, nxt, 1e-6, "res2.w8.s1"))
+        assert names == ["gemv_simt_m1_c2_an", "gemv_simt_m1_c2_rmlp"], names
+        assert same(got, two_ops(a_in, r_in, nxt, "res2.w8.s1"))
+    finally:
+        kc.set_pdl(False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hk,hv,dk,dv,k", [(16, 32, 128, 128, 4096), (2, 4, 64, 64, 384)])
 def test_the_norm_after_the_resident_mlp_deferred_into_the_fused_in_proj(kc, dtype, hk, hv, dk, dv, k):
