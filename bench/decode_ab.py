@@ -35,9 +35,6 @@ product (Model.defer_attn: its input norm folded into qkv_packed, the qkv launch
 in the MLP's launch, interleaved.
 --rmlp-balance-ab: 9B-like target-only with the resident MLP's grid as few blocks as make its activation tiles in the
 same rounds (kernels.cuda._RMLP_BALANCE) and every block that fits, interleaved, each run a new session.
---proj-mlp-ab: 9B-like target-only with the output projection before each resident MLP in the MLP's launch (op
-gemv_add_mlp, kernels.cuda._RMLP_PROJ) and in a launch of its own, interleaved, each run a new session (with
---rmlp-coop-ab: both with the resident launches cooperative, then as plain PDL launches).
 """
 
 from __future__ import annotations
@@ -140,9 +137,6 @@ def main() -> int:
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
     ap.add_argument("--defer-attn-ab", action="store_true", help="A/B the norm after the MLP left to the qkv product")
     ap.add_argument("--rmlp-balance-ab", action="store_true", help="A/B the resident MLP's balanced grid")
-    ap.add_argument(
-        "--proj-mlp-ab", action="store_true", help="A/B the projection before a resident MLP in the MLP's launch"
-    )
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
         "--exact",
@@ -208,8 +202,6 @@ def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> N
     if a.rmlp_balance_ab:
         tag = {True: "resident MLP grid balanced", False: "resident MLP grid: every block that fits"}.get
         cuda_setting_ab(eng, a, target, "_RMLP_BALANCE", [True, False] * 3, tag)
-    if a.proj_mlp_ab:
-        proj_mlp_ab(eng, a, target)
     for fused in (True, False, True, False) if a.rule_ab else (True,):
         eng.model.fuse_rule = fused
         tag = "" if not a.rule_ab else " [in_proj + step: one launch]" if fused else " [in_proj + step: two launches]"
@@ -402,29 +394,6 @@ def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
     the SMs times the blocks of that many warps that fit), interleaved."""
     values = [int(v) for v in a.rmlp_warps.split(",")] * 2
     resident_setting_ab(eng, a, target, "_RMLP_WARPS_PER_SM", values, lambda v: f"at most {v} warps an SM")
-
-
-def proj_mlp_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """The output projection before each resident MLP in the MLP's launch (kernels.cuda._RMLP_PROJ) and in its own,
-    each with the resident launches cooperative and as plain PDL launches (_RMLP_COOPERATIVE), three rounds of the
-    four, each run a new session; the tokens of every run against the first's, and the launches a token of each."""
-    from kernels import cuda as kc
-
-    was, first = (kc._RMLP_PROJ, kc._RMLP_COOPERATIVE), None
-    try:
-        for rnd in range(3):
-            for proj, coop in ((True, True), (False, True), (True, False), (False, False)):
-                kc._RMLP_PROJ, kc._RMLP_COOPERATIVE = proj, coop
-                tps, tokens = median_tps(eng, target, a.n, a.reps)
-                first = tokens if first is None else first
-                tag = f"{'projection + MLP: one launch' if proj else 'projection, then MLP'}, {'cooperative' if coop else 'plain PDL'}"
-                print(
-                    f"9B-like target-only, gemm auto [{tag}]: {tps:.1f} t/s (tokens as the first run's: {tokens == first})"
-                )
-                if rnd == 0 and coop:
-                    print(f"9B-like launches per token [{tag}]: {launches_per_token(eng, target):.1f}")
-    finally:
-        kc._RMLP_PROJ, kc._RMLP_COOPERATIVE = was
 
 
 def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:

@@ -285,15 +285,12 @@ class GemvProducts:
         and the MLP's warps scale their sums by the norm after their FMAs (gemv_mlp_add_rmsnorm's x_norm).
         defer_next (the norm after the MLP is folded into the next layer's in_proj, whose fused launch norms its
         input: conv_delta_rule_norm's x_eps): there, (None, s), the MLP's launch storing s only (no norm block at
-        its end, ~3 us on the H200 a 9B-like layer). Where gemv_add_mlp_fits, the projection and the MLP are one
-        launch (ops.gemv_add_mlp: the projection with the resident MLP's warps and columns, not `choice`)."""
+        its end, ~3 us on the H200 a 9B-like layer)."""
         if folded and x.dim() == 2 and x.shape[0] == 1 and self.takes(x, w):
             choice, variant = self.choice(1, w), self.mlp_choice(residual, w_gate_up, w_down)
             if choice != "cublas" and variant.startswith("res"):
-                after = None if defer_next else weight
-                if ops.gemv_add_mlp_fits(x, w, residual, w_gate_up, w_down, variant):  # one launch for both
-                    return ops.gemv_add_mlp(x, w, residual, w_gate_up, w_down, after, eps, variant)
                 s = ops.gemv_add(x, w, residual, choice)
+                after = None if defer_next else weight
                 return ops.gemv_mlp_add_rmsnorm(s, w_gate_up, w_down, s, after, eps, variant, x_norm=True)
         h, s = self.add_rmsnorm(x, w, residual, x_weight, eps)
         return self.mlp_add_rmsnorm(h, w_gate_up, w_down, s, weight, eps)

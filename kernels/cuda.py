@@ -2184,15 +2184,14 @@ def _unit_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return reference.unit_rmsnorm(x, eps, rmsnorm)
 
 
-def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int, form: str = "rmlp", staged: int = 0) -> int:
-    """Blocks of the resident MLP's launch (`form` "rmlp", or "prmlp" with the projection before it) for an activation
-    of i elements of x's dtype (staged in shared memory, or `staged` elements where more): 0 where the gemv module is
-    not loaded or the driver says none fits."""
+def _rmlp_grid(x: torch.Tensor, c: int, warps: int, i: int) -> int:
+    """Blocks of the resident MLP's launch for an activation of i elements of x's dtype (staged in shared memory): 0
+    where the gemv module is not loaded or the driver says none fits."""
     if not gemv_kernels(x.device, x.dtype)[0]:
         return 0
     dev = _dev_index(x.device)
-    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_{form}")
-    grid = _resident_grid(fn, dev, warps * 32, max(i, staged) * x.element_size())
+    fn = _gemv_function(dev, _KIND[x.dtype], f"gemv_simt_m1_c{c}_rmlp")
+    grid = _resident_grid(fn, dev, warps * 32, i * x.element_size())
     if grid and _RMLP_BALANCE:  # as few blocks as make the activation's tiles in as many rounds: each its share
         tiles = i // warps
         grid = -(-tiles // -(-tiles // grid))
@@ -2268,84 +2267,6 @@ def gemv_mlp_add_rmsnorm(
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
     coop = resident and pdl.available() and _RMLP_COOPERATIVE
     _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=coop)
-    return y, s
-
-
-# The projection whose output joins the residual stream and the resident MLP after it in one launch (op gemv_add_mlp,
-# gemv_simt_m1_c{C}_prmlp), where the norm between them is deferred (the MLP's x_norm): the projection's last blocks
-# and the launch boundary are then behind the MLP's first W loads. False: the two launches (gemv_add, then
-# gemv_mlp_add_rmsnorm), only to measure it (bench/decode_ab.py --proj-mlp-ab).
-_RMLP_PROJ = True
-
-
-def gemv_add_mlp_fits(
-    x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, variant
-) -> bool:
-    """Whether gemv_add_mlp makes the projection x @ w^T + residual and the MLP after it in one launch: on
-    (_RMLP_PROJ), one row, the MLP's variant resident and taking the stream the projection makes (gemv_mlp_fits),
-    the projection a gemv with 16-byte vectors whose output is the stream's width (the down product's, a whole
-    number of the variant's tiles), and the stream staged in a block's shared memory beside the activation."""
-    parsed = registry.parse_gemv_variant(variant) if variant is not None else None
-    if not _RMLP_PROJ or parsed is None or not parsed[0].startswith("res") or x.dim() != 2 or w.dim() != 2:
-        return False
-    n, i = w.shape[0], w_gate_up.shape[0] // 2 if w_gate_up.dim() == 2 else 0
-    return (
-        x.shape[0] == 1
-        and gemv_takes(x, w)
-        and _gemv_vec_ok(x, w)
-        and _add_norm_operands_ok(x, residual, None, 1, n)
-        and residual.device == x.device
-        and w_down.dim() == 2
-        and w_down.shape[0] == n
-        and n * x.element_size() <= _RMLP_SMEM
-        and gemv_mlp_fits(residual, w_gate_up, w_down, variant)  # the stream [1, n] in the MLP's input's place
-        and _rmlp_grid(x, int(parsed[0][-1]), parsed[1], i, "prmlp", n) > 0
-    )
-
-
-def gemv_add_mlp(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    residual: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    variant: str | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """gemv_add(x, w, residual) -> mid, then gemv_mlp_add_rmsnorm(mid, w_gate_up, w_down, mid, weight, eps, variant,
-    x_norm=True), in one launch where gemv_add_mlp_fits (gemv_simt_m1_c{C}_prmlp, every block resident): each block
-    makes its column tiles of mid (gemv_add's code with the twin simt{C}.wW.s1), counts in, then its first activation
-    tile's warps issue their first W loads and the block waits until every block has counted in, stages mid in its
-    shared memory and goes on as the resident MLP; the bits of those two ops (gemv_add with the twin). Otherwise
-    the two ops (gemv_add with the twin where the variant names one)."""
-    if not gemv_add_mlp_fits(x, w, residual, w_gate_up, w_down, variant) or (
-        weight is not None and not _add_norm_operands_ok(x, residual, weight, 1, w.shape[0])
-    ):
-        named = registry.parse_gemv_variant(variant) is not None
-        mid = gemv_add(x, w, residual, registry.gemv_twin(variant) if named else None)
-        return gemv_mlp_add_rmsnorm(mid, w_gate_up, w_down, mid, weight, eps, variant, x_norm=True)
-    family, warps, _ = registry.parse_gemv_variant(variant)
-    c, i, n, k = int(family[-1]), w_gate_up.shape[0] // 2, w.shape[0], w_gate_up.shape[1]
-    cnt = _counters(x.device, ("gemv", w_down.data_ptr()), n // (warps * c) + 2)
-    mcnt = _counters(x.device, ("gemv_prmlp", w_down.data_ptr(), variant), 3) if cnt is not None else None
-    if mcnt is None:  # no counters (before an eager call): the two ops
-        mid = gemv_add(x, w, residual, registry.gemv_twin(variant))
-        return gemv_mlp_add_rmsnorm(mid, w_gate_up, w_down, mid, weight, eps, variant, x_norm=True)
-    mid = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    act = torch.empty((1, i), dtype=x.dtype, device=x.device)
-    part = torch.empty((1, 1, n), dtype=torch.float32, device=x.device)
-    y = None if weight is None else torch.empty((1, n), dtype=x.dtype, device=x.device)
-    s = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    args = la.GemvProjMlpArgs(
-        a=x, wo=w, wos=w.stride(0), Ko=x.shape[1], r0=residual, mid=mid, wg=w_gate_up, wgs=w_gate_up.stride(0),
-        act=act, I=i, K=k, wd=w_down, wds=w_down.stride(0), part=part, N=n,
-        nw=None if weight is None else _f32_norm_weight(weight), y=y, s=s, cnt=cnt, mcnt=mcnt, eps=eps,
-    )  # fmt: skip
-    grid = (_rmlp_grid(x, c, warps, i, "prmlp", n),)
-    smem = max(i, n) * x.element_size()
-    coop = pdl.available() and _RMLP_COOPERATIVE
-    _launch_gemv(f"gemv_simt_m1_c{c}_prmlp", x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=coop)
     return y, s
 
 

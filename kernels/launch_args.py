@@ -292,15 +292,6 @@ GemvMlpArgs = builder(
     "gemv_simt_m1_c1_rmlp",
     "gemv_simt_m1_c2_rmlp",
 )
-GemvProjMlpArgs = builder(
-    "GemvProjMlpArgs",
-    (
-        "ptr a, ptr wo, i64 wos, i32 Ko, ptr r0, ptr mid, ptr wg, i64 wgs, ptr act, i32 I, i32 K, ptr wd, i64 wds, "
-        "ptr part, i32 N, ptr nw, ptr y, ptr s, ptr cnt, ptr mcnt, f32 eps"
-    ),
-    "gemv_simt_m1_c1_prmlp",
-    "gemv_simt_m1_c2_prmlp",
-)
 GemvCombineArgs = builder(
     "GemvCombineArgs",
     "ptr part, ptr out, i32 S, i32 MN",

@@ -30,7 +30,6 @@ gemv_add = reference.gemv_add
 gemv_norm = reference.gemv_norm
 gemv_silu_mul = reference.gemv_silu_mul
 gemv_mlp_add_rmsnorm = reference.gemv_mlp_add_rmsnorm
-gemv_add_mlp = reference.gemv_add_mlp
 mtp_prefc = reference.mtp_prefc
 embed_rmsnorm = reference.embed_rmsnorm
 store_rows = reference.store_rows
@@ -143,16 +142,6 @@ def gemv_mlp_fits(x, w_gate_up, w_down, variant) -> bool:
     from . import cuda
 
     return cuda.gemv_mlp_fits(x, w_gate_up, w_down, variant)
-
-
-def gemv_add_mlp_fits(x, w, residual, w_gate_up, w_down, variant) -> bool:
-    """Whether gemv_add_mlp makes the projection and the MLP after it in one launch with `variant` (with the CUDA
-    kernels bound)."""
-    if not _cuda_enabled:
-        return False
-    from . import cuda
-
-    return cuda.gemv_add_mlp_fits(x, w, residual, w_gate_up, w_down, variant)
 
 
 def gemv_rule_norms(x, w, variant) -> bool:

@@ -513,24 +513,6 @@ def gemv_mlp_add_rmsnorm(
     return gemv_add_rmsnorm(gemv_silu_mul(x, w_gate_up), w_down, residual, weight, eps, variant)
 
 
-def gemv_add_mlp(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    residual: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    variant: str | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """A projection whose output joins the residual stream, then the MLP of that stream whose norm's weight is folded
-    into w_gate_up (the deferred norm): mid = gemv_add(x, w, residual), then gemv_mlp_add_rmsnorm(mid, w_gate_up,
-    w_down, mid, weight, eps, variant, x_norm=True) -> (rmsnorm(s) or None, s). The CUDA form makes both in one
-    launch for one row."""
-    mid = gemv_add(x, w, residual)
-    return gemv_mlp_add_rmsnorm(mid, w_gate_up, w_down, mid, weight, eps, variant, x_norm=True)
-
-
 def argmax_prob(
     logits: torch.Tensor, n: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,6 @@ NAMES = (
     "gemv_norm",
     "gemv_silu_mul",
     "gemv_mlp_add_rmsnorm",
-    "gemv_add_mlp",
     "mtp_prefc",
     "embed_rmsnorm",
     "store_rows",

@@ -495,18 +495,6 @@ def test_the_norm_before_a_resident_mlp_of_one_row_is_left_to_it(fake, monkeypat
     p.mlp_choices[(32, 96)] = "res2.w8.s1"
     p.choices[(32, 40, 0)] = "cublas"  # cuBLAS makes the projection: add_rmsnorm after it, then the MLP
     assert run(1) == [("mlp", "res2.w8.s1", False)]
-    # where the projection fits the resident MLP's launch (gemv_add_mlp_fits): one op for both, the MLP's variant
-    del p.choices[(32, 40, 0)]
-
-    def add_mlp(x, w, residual, gu, down, nw, eps, variant=None):
-        calls.append(("add+mlp", variant))
-        mid = F.linear(x, w) + residual
-        return mlp(mid, gu, down, mid, nw, eps, variant, x_norm=True)
-
-    monkeypatch.setattr(ops, "gemv_add_mlp", add_mlp)
-    monkeypatch.setattr(ops, "gemv_add_mlp_fits", lambda x, w, r, gu, down, variant: variant.startswith("res"))
-    assert run(1) == [("add+mlp", "res2.w8.s1"), ("mlp", "res2.w8.s1", True)]
-    assert run(1, folded=False)[0] == ("add+norm", "simt2.w4.s1")  # unfolded: no deferred norm to fuse
 
 
 def test_folding_the_norm_before_a_resident_mlp_keeps_the_model_and_is_done_once(tiny_model_dir):

@@ -149,8 +149,7 @@ def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, ba
     and each layer's output projection leaves that norm to it (Model.out_mlp -> gemv_add, then the MLP scaling its
     sums by it): the projection's launch is the "_an" form without the norm, nothing falls back, every post-attention
     norm weight is zero, and the greedy text is cuBLAS's on the unfolded model, speculative or not, eager or
-    captured; with the deferral off the same text; and likewise with the projection and the MLP in one launch
-    (gemv_add_mlp, kernels.cuda._RMLP_PROJ) and in two."""
+    captured; with the deferral off the same text."""
     import kernels.cuda as kc
 
     eng = Engine.load(path, device="cuda", dtype="float32", gemm="cupy")
@@ -172,27 +171,23 @@ def test_the_norm_deferred_to_a_resident_mlp_keeps_the_greedy_text_fp32(path, ba
     before = dict(ops.fallbacks())
     target = EngineSettings(speculative=False, plan_pool=8)
     plain = EngineSettings(speculative=False, plan_pool=0)
-    for defer, proj in ((True, True), (True, False), (False, True)):
+    for defer in (True, False):
         eng.model.defer_norm = defer
-        monkeypatch.setattr(kc, "_RMLP_PROJ", proj)  # the projection in the MLP's launch (gemv_add_mlp) or before it
         launched.clear()
         assert eng.generate("def f(x):", 8, plain).tokens == base.generate("def f(x):", 8, plain).tokens, defer
-        fused = launched.count("gemv_simt_m1_c2_prmlp")  # the deferred projection and the MLP, one launch
-        resident = launched.count("gemv_simt_m1_c2_rmlp") + fused
-        assert resident > 0 and fused == (resident if defer and proj else 0), (defer, proj, launched)
-        assert launched.count("deferred") == (resident if defer and not proj else 0), (defer, proj, launched)
+        resident = launched.count("gemv_simt_m1_c2_rmlp")
+        assert resident > 0 and launched.count("deferred") == (resident if defer else 0), (defer, launched)
     assert ops.fallbacks() == before
     posts = [t for name, t in eng.model.w.items() if name.endswith("post_attention_layernorm.weight")]
     assert posts and all(t.count_nonzero().item() == 0 for t in posts)
     for w in list(load_workloads().values())[:2]:
         prompt = w.prompt_for(eng.tokenizer)
         want = base.generate(prompt, N_NEW, target, base.new_session()).tokens
-        for defer, proj in ((True, True), (True, False), (False, True)):
+        for defer in (True, False):
             eng.model.defer_norm = defer
-            monkeypatch.setattr(kc, "_RMLP_PROJ", proj)
             assert eng.generate(prompt, N_NEW, target, eng.new_session()).tokens == want, (w.name, defer)
             spec = EngineSettings(draft_depth=3, chain=True, plan_pool=8)
-            assert eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens == want, (w.name, defer, proj)
+            assert eng.generate(prompt, N_NEW, spec, eng.new_session()).tokens == want, (w.name, defer)
     eng.model.defer_norm = True
     eng.close()
 
@@ -222,7 +217,7 @@ def test_the_norm_after_a_resident_mlp_deferred_into_the_next_fused_in_proj_bf16
     launched, real = [], kc._launch_gemv
 
     def record(name, dtype, device, grid, block, args, *rest, **kw):
-        if name.endswith(("_rmlp", "_prmlp")) and args.y is None:
+        if name.endswith("_rmlp") and args.y is None:
             launched.append("mlp, no norm")
         elif "_dr" in name and args.xnorm:
             launched.append("in_proj with its norm")

@@ -220,7 +220,6 @@ struct GvEpi {
     int* zero = nullptr;
     int nzero = 0;
     int* ticket = nullptr;
-    bool r_cg = false;  // r read past L1 (other blocks of this launch stored it: the resident projection + MLP form)
 };
 
 // The sum of v over the block, in a fixed order (lanes, then warps in order); every thread gets it.
@@ -331,8 +330,7 @@ __device__ __forceinline__ void gv_add_norm(const float* __restrict__ part, int 
         if (n >= N) continue;
         float sum = 0.f;
         for (int j = 0; j < S; ++j) sum += __ldcg(part + ((long long)j * M + m) * N + n);
-        const float rv = e.r_cg ? gv_f(__ldcg(e.r + m * e.rs + n)) : gv_f(e.r[m * e.rs + n]);
-        e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + rv));
+        e.s[(long long)m * N + n] = gv_out(gv_rnd(gv_rnd(sum) + gv_f(e.r[m * e.rs + n])));
     }
     if (e.y == nullptr) return;  // deferred: the consumer norms the rows
     // The rows' norms. One row: by the last tile to count in at the launch's counter (cnt[0]). Several rows (M
@@ -483,15 +481,11 @@ __device__ __forceinline__ void gv_ld_w_batch(uint4 (&wv)[U][C], const scalar_t*
 // rsqrt(mean(s^2) + xeps); the warp sums each row's squares as it reads x (its lanes' vectors in order, then
 // gv_warp_sum: every warp that reads the whole row gets the same bits) and scales its sums by it at the end, after
 // every FMA: no wait for the norm before the product. Needs vec_ok and no K split.
-// ST (the resident projection + MLP form's first activation tile of a block; XM 2, x the block's shared memory): after
-// the PDL wait, thread 0 waits until *wait_at >= wait_for, then the block copies the row stage_src (K elements, stored
-// by the launch's other blocks, read past L1) into x; every thread of the block calls it.
-template <int MB, int C, bool SM, int XM = 0, int UL = 4, bool NX = false, bool ST = false>
+template <int MB, int C, bool SM, int XM = 0, int UL = 4, bool NX = false>
 __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, long long xs,
                                              const scalar_t* __restrict__ w, long long wsr, scalar_t* __restrict__ out,
                                              float* __restrict__ part, int M, int N, int K, int kchunk, int vec_ok,
-                                             long long n0, int split, const int* wait_at, int wait_for, float xeps,
-                                             const scalar_t* stage_src = nullptr) {
+                                             long long n0, int split, const int* wait_at, int wait_for, float xeps) {
     constexpr int U = UL / C;  // 16-byte W loads in flight per lane: U * C = UL
     const int lane = threadIdx.x & 31;
     const int s = split >= 0 ? split : (int)blockIdx.y;
@@ -522,13 +516,7 @@ __device__ __forceinline__ void gv_simt_cols(const scalar_t* __restrict__ x, lon
         const bool pre = v + (U - 1) * 32 < v1;
         if (pre) gv_ld_w_batch<U, C>(wv, wr, v);
         PDL_WAIT();
-        if (ST) {
-            if (threadIdx.x == 0) gv_wait_count(wait_at, wait_for);
-            __syncthreads();
-            uint4* dst = reinterpret_cast<uint4*>(const_cast<scalar_t*>(x));
-            for (int i = threadIdx.x; i < K / GV_VEC; i += blockDim.x) dst[i] = gv_ld_cg(stage_src + (long long)i * GV_VEC);
-            __syncthreads();
-        } else if (wait_at != nullptr) {
+        if (wait_at != nullptr) {
             if (lane == 0) gv_wait_count(wait_at, wait_for);
             __syncwarp();
         }
@@ -736,49 +724,18 @@ __device__ __forceinline__ void gv_simt(const scalar_t* __restrict__ x, long lon
 // other kernel holding SMs indefinitely meanwhile: docs/architecture.md). Needs vec_ok, I a multiple of the
 // warps and of GV_VEC, N of warps * C, and I elements of shared memory (kernels/cuda.py checks).
 #define GV_RMLP_LOADS 8  // 16-byte W loads in flight per lane (fewer, fatter blocks than the per-launch forms')
-// P (gemv_simt_m1_c{C}_prmlp, op gemv_add_mlp): the projection before the MLP in the same launch. x and r are then the
-// stream `mid` this launch makes: 0. each block makes the column tiles blockIdx.x, + G, ... of mid = a @ wo^T + r0
-// (gemv_simt_m1_c{C}_an's code without the norm, with warps * C columns a tile: gemv_add's bits with simt{C}.wW.s1;
-// its fp32 sums in part, which the down product reuses once every block is past step 1), then counts in at mcnt[2]
-// (release); 1. each block's first activation tile issues its warps' first W loads, waits until every block has
-// counted in there (acquire) and stages mid in its shared memory (read past L1), then the activation is made with
-// xnorm from the staged row (the same values in the same order: the bits of the MLP launch given mid); 2. as above,
-// the down product's residual mid read past L1. The last block to leave step 2's wait (or gv_add_norm's last tile)
-// leaves mcnt[2] at zero with mcnt[0]: every block that waits at mcnt[2] has passed it before counting in at mcnt[0].
-template <int C, bool P = false>
+template <int C>
 __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, const scalar_t* __restrict__ wg,
                                                 long long wgs, scalar_t* act, int I, int K,
                                                 const scalar_t* __restrict__ wd, long long wds,
                                                 float* __restrict__ part, int N, const scalar_t* __restrict__ r,
                                                 const float* __restrict__ nw, scalar_t* __restrict__ y,
                                                 scalar_t* __restrict__ s, int* __restrict__ cnt, int* mcnt, float eps,
-                                                int xnorm, scalar_t* mid = nullptr, const scalar_t* a = nullptr,
-                                                const scalar_t* wo = nullptr, long long wos = 0, int Ko = 0,
-                                                const scalar_t* r0 = nullptr) {
+                                                int xnorm) {
     extern __shared__ uint4 gv_act4[];
     constexpr int U = GV_RMLP_LOADS / C;  // twice gv_simt_cols's loads in flight (the same order of k per lane)
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, ngu = I / warps, ntiles = N / (warps * C);
-    if (P) {
-        for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-            GvEpi e{r0, 0, nullptr, nullptr, mid, nullptr, 0.f};
-            e.tile = tile;
-            e.ntiles = ntiles;
-            gv_simt<1, C, true, false, 0, GV_RMLP_LOADS>(a, 0, wo, wos, nullptr, part, 1, N, Ko, Ko, 1, e, tile);
-        }
-        PDL_WAIT();  // (a block without a tile of the projection has not waited yet)
-        __syncthreads();  // the block's columns of mid are stored
-        if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mcnt + 2) : "memory");
-        const scalar_t* xsh = reinterpret_cast<const scalar_t*>(gv_act4);
-        for (int t = blockIdx.x; t < ngu; t += gridDim.x) {
-            const long long n0 = (long long)t * warps + (threadIdx.x >> 5);
-            if (t == (int)blockIdx.x)
-                gv_simt_cols<1, 2, true, 2, GV_RMLP_LOADS, true, true>(xsh, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, n0,
-                                                                       0, mcnt + 2, (int)gridDim.x, eps, mid);
-            else
-                gv_simt_cols<1, 2, true, 2, GV_RMLP_LOADS, true>(xsh, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, n0, 0,
-                                                                 nullptr, 0, eps);
-        }
-    } else if (xnorm == 0) {
+    if (xnorm == 0) {
         for (int t = blockIdx.x; t < ngu; t += gridDim.x)
             gv_simt<1, 2, false, true, 0, GV_RMLP_LOADS>(x, 0, wg, wgs, act, nullptr, 1, I, K, K, 1, GvEpi{}, t);
     } else {  // x is the residual stream, its norm's weight folded into wg: each warp scales its sums (NX)
@@ -812,7 +769,6 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
                     if (atomicAdd(mcnt + 1, 1) == passers - 1) {
                         mcnt[1] = 0;
                         mcnt[0] = 0;
-                        if (P) mcnt[2] = 0;
                     }
                 }
             }
@@ -843,8 +799,7 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         e.tile = tile;
         e.ntiles = ntiles;
         e.zero = mcnt;
-        e.nzero = P ? 3 : 1;
-        e.r_cg = P;
+        e.nzero = 1;
         gv_add_norm(part, 1, 1, N, (long long)tile * warps * C, warps * C, e);
     }
 }
@@ -858,24 +813,7 @@ __device__ __forceinline__ void gv_resident_mlp(const scalar_t* __restrict__ x, 
         PDL_TRIGGER();                                                                                            \
         gv_resident_mlp<GV_C>(x, wg, wgs, act, I, K, wd, wds, part, N, r, nw, y, s, cnt, mcnt, eps, xnorm);       \
     }
-// gemv_simt_m1_c{C}_prmlp (GemvProjMlpArgs; op gemv_add_mlp): the projection whose output joins the residual stream
-// (mid = a @ wo^T + r0, the norm after it deferred: x_norm) and the resident MLP after it in one launch (gv_resident_mlp's
-// P): the bits of gemv_add (simt{C}.wW.s1) then gemv_mlp_add_rmsnorm (res{C}.wW.s1, x_norm). Shared memory: max(I, K)
-// elements (the activation, and before it the staged mid).
-#define GEMV_SIMT_PRMLP(GV_C)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(GV_MAX_WARPS * 32) gemv_simt_m1_c##GV_C##_prmlp(                 \
-        const scalar_t* __restrict__ a, const scalar_t* __restrict__ wo, long long wos, int Ko,                   \
-        const scalar_t* __restrict__ r0, scalar_t* mid, const scalar_t* __restrict__ wg, long long wgs,           \
-        scalar_t* act, int I, int K, const scalar_t* __restrict__ wd, long long wds, float* __restrict__ part,    \
-        int N, const float* __restrict__ nw, scalar_t* __restrict__ y, scalar_t* __restrict__ s,                 \
-        int* __restrict__ cnt, int* __restrict__ mcnt, float eps) {                                               \
-        PDL_TRIGGER();                                                                                            \
-        gv_resident_mlp<GV_C, true>(mid, wg, wgs, act, I, K, wd, wds, part, N, mid, nw, y, s, cnt, mcnt, eps, 1, \
-                                    mid, a, wo, wos, Ko, r0);                                                     \
-    }
 #ifndef GV_DR_DK  // the plain module (kernels/cuda.py); the _dr forms are a module of their own per DK
-GEMV_SIMT_PRMLP(1)
-GEMV_SIMT_PRMLP(2)
 GEMV_SIMT(1, 1)
 GEMV_SIMT(1, 2)
 GEMV_SIMT(4, 1)
