@@ -24,8 +24,9 @@ set) at each value, in one process, the list twice (each run a new session: its 
 design that moves the norm out of the projection before it). --mlp-ab: each model target-only (gemm auto) with the
 MLP of one row as auto chose, in its separate launches, in one launch with the fastest per-launch variant auto
 timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
---rmlp-coop-ab: 9B-like target-only with the resident MLP launched cooperatively and as a plain PDL launch,
-interleaved. --mlp-times K: auto's timing of the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
+--rmlp-coop-ab: 9B-like target-only with the resident MLP's grid checked by one cooperative launch and then launched
+as a plain PDL launch (the default), and with every launch cooperative, interleaved. --mlp-times K: auto's timing of
+the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
 --defer-ab: 9B-like target-only with the norm after each output projection left to the resident MLP (Model.defer_norm,
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
@@ -397,10 +398,11 @@ def rmlp_warps_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) ->
 
 
 def rmlp_coop_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    """Target-only decode with the resident MLP launched cooperatively (kernels.cuda._RMLP_COOPERATIVE: scheduled
-    once every block fits) and as a plain PDL launch (its blocks scheduled as the projection's leave), interleaved."""
-    tag = {True: "cooperative", False: "PDL, not cooperative"}
-    resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", [True, False] * 3, tag.get)
+    """Target-only decode with the resident MLP's grid checked by one cooperative launch, then launched plain (the
+    default, kernels.cuda._RMLP_COOPERATIVE "first": its blocks scheduled as the projection's leave) and with every
+    launch cooperative (scheduled once the projection has drained), interleaved."""
+    tag = {True: "every launch cooperative", "first": "first launch cooperative, then plain PDL"}
+    resident_setting_ab(eng, a, target, "_RMLP_COOPERATIVE", ["first", True] * 3, tag.get)
 
 
 def model_switch_ab(eng: Engine, a: argparse.Namespace, target: EngineSettings, attr: str, tags: tuple) -> None:

@@ -2113,11 +2113,26 @@ _RMLP_WARPS_PER_SM = 16
 # --rmlp-balance-ab; on an H100, 9B-like target-only 188.6 t/s against 188.3 in each of three interleaved pairs, the same
 # tokens: bench/results/h100-balance-2026-12-06.txt).
 _RMLP_BALANCE = True
-# The resident MLP's launch is cooperative (docs/architecture.md): the driver refuses a grid it cannot hold at once
-# instead of a wait that never ends; it then starts only once the kernel before it has drained. False (a bench
-# switch, bench/decode_ab.py --rmlp-coop-ab): a plain PDL launch whose blocks are scheduled as that kernel's leave.
-_RMLP_COOPERATIVE = True
+# How the resident MLP is launched (docs/architecture.md). Its blocks wait for one another, so all must be resident at
+# once. A cooperative launch makes the driver check that (it refuses a grid it cannot hold at once: an error instead
+# of a wait that never ends), but it then starts only once the kernel before it has drained; a plain (PDL) launch's
+# blocks are scheduled as that kernel's leave, their first weight loads in flight while it drains. "first"
+# (default): the first launch of each grid (kernel, blocks, threads, shared memory) on a device is cooperative, so
+# the driver checks that grid once, and the launches after it are plain. On an H100, 9B-like target-only 193.9 /
+# 193.9 / 194.0 t/s plain against 192.6 / 192.5 / 192.6 cooperative, the same tokens (bench/results/
+# h100-proj-mlp-2026-12-06.txt). True: every launch cooperative; False: none (bench/decode_ab.py --rmlp-coop-ab).
+_RMLP_COOPERATIVE: bool | str = "first"
+_rmlp_checked: set[tuple] = set()  # (device, kernel, grid, threads, shared memory) a cooperative launch took
 _occupancy_cache: dict[tuple, int] = {}
+
+
+def _rmlp_cooperative(dev: int, name: str, grid: tuple, threads: int, smem: int) -> bool:
+    """Whether this resident launch is cooperative (_RMLP_COOPERATIVE): with "first", until a cooperative launch of
+    the same grid on the device has been taken eagerly (inside a capture the driver's check would come only at the
+    graph's launch, so a captured launch is cooperative until an eager one has been)."""
+    if not pdl.available() or _RMLP_COOPERATIVE is False:
+        return False
+    return _RMLP_COOPERATIVE is True or (dev, name, grid, threads, smem) not in _rmlp_checked
 
 
 def occupancy(fn, threads: int, smem: int) -> int:
@@ -2265,8 +2280,11 @@ def gemv_mlp_add_rmsnorm(
         xnorm=int(x_norm),
     )  # fmt: skip
     name = f"gemv_simt_m1_c{c}_{'rmlp' if resident else 'mlp'}"
-    coop = resident and pdl.available() and _RMLP_COOPERATIVE
+    key = (_dev_index(x.device), name, grid, warps * 32, smem)
+    coop = resident and _rmlp_cooperative(*key)
     _launch_gemv(name, x.dtype, x.device, grid, (warps * 32,), args, smem, cooperative=coop)
+    if coop and not torch.cuda.is_current_stream_capturing():  # the driver took this grid as one resident launch
+        _rmlp_checked.add(key)
     return y, s
 
 

@@ -663,10 +663,13 @@ def test_the_resident_mlp_balanced_grid_gives_the_same_bits(kc, i, k, n, monkeyp
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_the_resident_mlp_is_a_cooperative_launch_eager_and_captured(kc, pdl, monkeypatch):
-    """A resident MLP's blocks wait for one another, so it is launched cooperatively (the driver then refuses a grid
-    whose blocks cannot all be resident, instead of leaving some unscheduled while the rest wait): eagerly and inside a
-    capture, with and without PDL; the per-launch one-launch form is not. The captured launch gives the eager bits."""
+def test_a_resident_mlp_grid_is_checked_by_one_cooperative_launch_then_launched_plain(kc, pdl, monkeypatch):
+    """A resident MLP's blocks wait for one another, so all must be resident at once. The first eager launch of a grid
+    is cooperative (the driver refuses a grid whose blocks cannot all be resident, instead of leaving some unscheduled
+    while the rest wait); the launches after it, eager or captured, are plain (PDL inside a capture where it is on),
+    scheduled as the kernel before them drains; a grid whose first launch is inside a capture stays cooperative until
+    an eager launch has been; with kernels.cuda._RMLP_COOPERATIVE True every launch is cooperative; the per-launch
+    one-launch form never is. Every launch gives the first one's bits."""
     import kernels.pdl as pdl_mod
 
     if not pdl_mod.available():
@@ -675,26 +678,42 @@ def test_the_resident_mlp_is_a_cooperative_launch_eager_and_captured(kc, pdl, mo
         pytest.skip("programmatic dependent launch is not available on this driver / GPU")
     launches, real = [], pdl_mod.launch
     monkeypatch.setattr(pdl_mod, "launch", lambda *a, **k: (launches.append((a[6:], k)), real(*a, **k))[1])
+    monkeypatch.setattr(kc, "_rmlp_checked", set())
     i, k, dtype = 3072, 1024, torch.bfloat16
     gu, down = weight(2 * i, k, dtype), weight(k, i, dtype)
     nw = torch.randn(k, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(5)) * 0.1
     x, r = rows(1, k, dtype, seed=11), rows(1, k, dtype, seed=12)
-    try:
-        want = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1")
-        assert launches == [((False, True), {})]  # eager: cooperative, no PDL
-        kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "simt2.w8.s2")
-        assert len(launches) == 1  # the per-launch form keeps CuPy's launch eagerly
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                got = kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1")
-        torch.cuda.current_stream().wait_stream(stream)
-        assert launches[1:] == [((pdl, True), {})]
+    mlp = lambda: kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "res2.w8.s1")  # noqa: E731
+    coop, plain = ((pdl, True), {}), ((True, False), {})
+
+    def capture_and_replay(want):
+        graph, got = captured(mlp)
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    try:
+        # a grid first met inside a capture: cooperative there (the driver checks it when the graph launches)
+        monkeypatch.setattr(kc, "_RMLP_COOPERATIVE", True)
+        want = mlp()  # the counters and the module, eagerly
+        monkeypatch.setattr(kc, "_RMLP_COOPERATIVE", "first")
+        monkeypatch.setattr(kc, "_rmlp_checked", set())
+        launches.clear()
+        capture_and_replay(want)
+        assert launches == [coop]
+        launches.clear()
+        assert all(torch.equal(a, b) for a, b in zip(mlp(), want, strict=True))
+        assert launches == [((False, True), {})]  # the first eager launch: cooperative, no PDL
+        assert all(torch.equal(a, b) for a, b in zip(mlp(), want, strict=True))
+        kc.gemv_mlp_add_rmsnorm(x, gu, down, r, nw, 1e-6, "simt2.w8.s2")
+        assert len(launches) == 1  # then plain eager launches (CuPy's), and the per-launch form is never cooperative
+        capture_and_replay(want)
+        assert launches[1:] == ([plain] if pdl else [])  # captured: plain, with PDL where it is on
+        monkeypatch.setattr(kc, "_RMLP_COOPERATIVE", True)  # every launch cooperative
+        launches.clear()
+        mlp()
+        capture_and_replay(want)
+        assert launches == [((False, True), {}), coop]
     finally:
         kc.set_pdl(False)
 
