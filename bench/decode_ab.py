@@ -6,7 +6,7 @@ kernels a 9B-like token launches (torch.profiler over captured rounds).
     python bench/decode_ab.py [--n 128] [--reps 3] [--model assets/models/specdeck-tiny] [--rule-ab] [--spec]
                               [--only 9b|bundled] [--norm-ab] [--one-launch-ab] [--exact] [--fold-min-keys 64,16]
                               [--norm-bound] [--mlp-ab] [--rmlp-coop-ab] [--mlp-times 4] [--defer-ab]
-                              [--defer-next-ab] [--rmlp-balance-ab] [--defer-attn-ab]
+                              [--defer-next-ab] [--rmlp-balance-ab] [--defer-attn-ab] [--gemm-ab]
 
 Prints one line per figure ("<what>: <value>"), t/s as the median of --reps generations. --rule-ab: each model's
 figures with the delta-net's in_proj product and decode step in one launch and in two (Model.fuse_rule), in the
@@ -26,7 +26,9 @@ MLP of one row as auto chose, in its separate launches, in one launch with the f
 timed, and with the fastest resident one ("res": every block resident, kernels/cuda.py gemv_mlp_add_rmsnorm).
 --rmlp-coop-ab: 9B-like target-only with the resident MLP's grid checked by one cooperative launch and then launched
 as a plain PDL launch (the default), and with every launch cooperative, interleaved. --mlp-times K: auto's timing of
-the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over.
+the one-row MLP's forms (engine/gemm.py _measure_mlp) K times over. --gemm-ab: the bundled model target-only and
+speculative with gemm cublas and gemm auto (measured from scratch each time), three interleaved rounds (issue 20: the
+launch-bound model no slower with the gemv kernels), each run saying whether its tokens are the first run's.
 --defer-ab: 9B-like target-only with the norm after each output projection left to the resident MLP (Model.defer_norm,
 the projection storing the residual stream only) and in the projection's launch, interleaved, with the launches.
 --defer-next-ab: 9B-like target-only with the norm after each resident MLP left to the next delta-net layer's fused
@@ -132,12 +134,14 @@ def main() -> int:
     ap.add_argument(
         "--rmlp-coop-ab",
         action="store_true",
-        help="9B-like target-only with the resident MLP launched cooperatively and as a PDL launch, interleaved",
+        help="9B-like target-only with the resident MLP's grid checked by one cooperative launch then launched plain,"
+        " and with every launch cooperative, interleaved",
     )
     ap.add_argument("--defer-ab", action="store_true", help="A/B the norm deferred to the resident MLP")
     ap.add_argument("--defer-next-ab", action="store_true", help="A/B the norm after the MLP left to the next layer")
     ap.add_argument("--defer-attn-ab", action="store_true", help="A/B the norm after the MLP left to the qkv product")
     ap.add_argument("--rmlp-balance-ab", action="store_true", help="A/B the resident MLP's balanced grid")
+    ap.add_argument("--gemm-ab", action="store_true", help="the bundled model with gemm cublas and auto, interleaved")
     ap.add_argument("--mlp-times", type=int, default=0, help="auto's MLP timing this many times over, printed")
     ap.add_argument(
         "--exact",
@@ -501,6 +505,8 @@ def bundled(a: argparse.Namespace) -> None:
             tps, drafted = median_tps(tiny, spec, a.n, a.reps)
             print(f"bundled spec depth 5 chain{tag}: {tps:.1f} t/s (tokens as target-only: {drafted == plain})")
             print(f"bundled launches per token, target-only{tag}: {launches_per_token(tiny, target):.1f}")
+    if a.gemm_ab:
+        gemm_ab(tiny, a, (("target-only", target), ("spec depth 5 chain", spec)))
     if a.boundary_ab:
         boundary_ab(tiny, a, target, "bundled")
     if a.mlp_ab:
@@ -510,6 +516,20 @@ def bundled(a: argparse.Namespace) -> None:
     if a.rule_ab or a.mlp_ab:
         print("bundled auto's choices: " + ", ".join(f"{k} {v}" for k, v in tiny.model.gemm_choices.items()))
     tiny.close()
+
+
+def gemm_ab(eng: Engine, a: argparse.Namespace, runs) -> None:
+    """The bundled model's `runs` ((label, settings), ...) with gemm cublas and gemm auto, three interleaved rounds;
+    auto measures its choices from scratch each time, as on a new GPU."""
+    first: dict[str, list[int]] = {}
+    for _ in range(3):
+        for gemm in ("cublas", "auto"):
+            with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+                eng.model.set_gemm(gemm, cache_dir=cache)
+            for label, settings in runs:
+                tps, tokens = median_tps(eng, settings, a.n, a.reps)
+                same = first.setdefault(label, tokens) == tokens
+                print(f"bundled {label} [gemm {gemm}]: {tps:.1f} t/s (tokens as the first run's: {same})")
 
 
 if __name__ == "__main__":

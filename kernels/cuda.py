@@ -2118,8 +2118,8 @@ _RMLP_BALANCE = True
 # of a wait that never ends), but it then starts only once the kernel before it has drained; a plain (PDL) launch's
 # blocks are scheduled as that kernel's leave, their first weight loads in flight while it drains. "first"
 # (default): the first launch of each grid (kernel, blocks, threads, shared memory) on a device is cooperative, so
-# the driver checks that grid once, and the launches after it are plain. On an H100, 9B-like target-only 193.9 /
-# 193.9 / 194.0 t/s plain against 192.6 / 192.5 / 192.6 cooperative, the same tokens (bench/results/
+# the driver checks that grid once, and the launches after it are plain. On an H100, 9B-like target-only 194.1 /
+# 194.1 / 193.9 t/s so against 192.5 / 192.5 / 192.5 with every launch cooperative, the same tokens (bench/results/
 # h100-proj-mlp-2026-12-06.txt). True: every launch cooperative; False: none (bench/decode_ab.py --rmlp-coop-ab).
 _RMLP_COOPERATIVE: bool | str = "first"
 _rmlp_checked: set[tuple] = set()  # (device, kernel, grid, threads, shared memory) a cooperative launch took
