@@ -130,24 +130,35 @@ class _Stream:
 
 
 class _StreamText:
-    """Incremental detokenisation with a bounded cost per round: decode the tokens since the last line
-    break and emit what was not shown yet (decoders may merge bytes or spaces across tokens, so pieces
-    are never decoded alone); an incomplete UTF-8 sequence waits for the token that completes it."""
+    """Incremental detokenisation with a bounded cost per round: decode a window of the latest tokens and emit what
+    was not shown yet (decoders may merge bytes or spaces across tokens, so pieces are never decoded alone); an
+    incomplete UTF-8 sequence waits for the token that completes it. The window starts again after a line break,
+    and after WINDOW tokens of one line, keeping its last CONTEXT tokens as the new window's start (a line that
+    never ends — a tiny model's text, a minified file — cost a decode of the whole line every round: 40 us a round
+    by the end of 512 tokens of the bundled model, whose decode the host's time bounds)."""
+
+    WINDOW = 64
+    CONTEXT = 8
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.line: list[int] = []
-        self.shown = 0
+        self.shown = 0  # characters of decode(line) already emitted
 
     def add(self, tokens: list[int]) -> str:
         self.line.extend(tokens)
         full = self.tokenizer.decode(self.line)
-        if full.endswith("\ufffd"):
+        complete = not full.endswith("\ufffd")
+        if not complete:
             full = full.rstrip("\ufffd")
         text = full[self.shown :]
         self.shown = len(full)
         if full.endswith("\n"):
             self.line, self.shown = [], 0
+        elif complete and len(self.line) > self.WINDOW:
+            # everything is shown: the context tokens' own text is where the next round's new text starts
+            self.line = self.line[-self.CONTEXT :]
+            self.shown = len(self.tokenizer.decode(self.line))
         return text
 
 

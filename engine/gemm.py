@@ -198,6 +198,7 @@ class GemvProducts:
         # chosen above, each with its epilogue (mlp_choice)
         self.mlp_choices: dict[tuple[int, int], str] = {}
         self._tuning = False  # inside tune(): the cache is written once at its end
+        self._labels: tuple | None = None  # (the choices they were built from, labels): see labels
 
     # ---- the product --------------------------------------------------------------------------------
     def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -403,6 +404,15 @@ class GemvProducts:
     def labels(self) -> dict[str, str]:
         """The choices made so far, by "NxK bucket" (what Engine.info and the run stats show); a product made with
         the delta-net's step in one launch shows that launch's variant and the choice for the product alone."""
+        # Read into every round's run stats: rebuilt only when a choice changed (the dicts' contents are the key,
+        # compared in C; building the labels was ~20 us of host time a round, which a launch-bound model's decode
+        # waits on)
+        key = (dict(self.choices), dict(self.fused), dict(self.mlp_choices))
+        if self._labels is None or self._labels[0] != key:
+            self._labels = (key, self._build_labels())
+        return dict(self._labels[1])
+
+    def _build_labels(self) -> dict[str, str]:
         out = {}
         for (n, k, b), c in sorted(self.choices.items()):
             fused = self.fused.get((n, k, b))

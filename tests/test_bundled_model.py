@@ -63,3 +63,21 @@ def test_streamed_text_pieces_add_up_to_the_whole_text(eng):
 
     stream = _StreamText(eng.tokenizer)
     assert "".join(stream.add([t]) for t in pieces[0]) == "é ü → ✓ 日本"
+
+
+def test_streamed_text_of_a_line_that_never_ends_adds_up_and_decodes_a_bounded_window(eng):
+    from engine.engine import _StreamText
+
+    # one long line (no line break): words, multi-byte characters split across tokens, runs of spaces
+    text = " ".join(f"w{i} é→✓ 日本  x{i * 7}" for i in range(120))
+    ids = eng.tokenizer.encode(text)
+    assert len(ids) > 4 * _StreamText.WINDOW
+    for chunk in (1, 3, 6):  # target-only rounds and speculative rounds of several tokens
+        stream = _StreamText(eng.tokenizer)
+        pieces, longest = [], 0
+        for i in range(0, len(ids), chunk):
+            pieces.append(stream.add(ids[i : i + chunk]))
+            longest = max(longest, len(stream.line))
+        assert "".join(pieces) == eng.tokenizer.decode(ids), chunk
+        # never the whole line: the window, a round's tokens, and a character's bytes split over tokens still waiting
+        assert longest <= _StreamText.WINDOW + chunk + 4, (chunk, longest)

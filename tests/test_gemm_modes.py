@@ -117,6 +117,8 @@ def test_a_shape_met_in_a_capture_gets_the_default_and_is_measured_later(fake, t
     p(torch.randn(1, 32), head_rows)  # the next eager use measures it and writes the cache at once
     assert fake["gemv"][-1] == "tc1.w8.s1" and len(fake["measure"]) == 1
     assert p.labels == {"200x32 m1": "tc1.w8.s1"}
+    p.labels.clear()  # a caller's copy (the run stats hold it): the next read is whole again
+    assert p.labels == {"200x32 m1": "tc1.w8.s1"}
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
