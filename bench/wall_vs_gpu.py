@@ -1,6 +1,8 @@
-"""Does a 9B-like decode's wall time match the GPU's own time? One process, one engine, gemm auto:
+"""Does a decode's wall time match the GPU's own time? One process, one engine (the 9B-like model, or --model's):
 
-    python bench/wall_vs_gpu.py [--n 256] [--reps 2]
+    python bench/wall_vs_gpu.py [--n 256] [--reps 2] [--gemm auto[,cublas...]] [--model assets/models/specdeck-tiny]
+
+For each --gemm mode in turn (the same engine, the mode set anew each time):
 
 1. `generate(prompt, n)` as bench/decode_ab.py times it (stats tokens_per_second, the engine's own clock).
 2. The same generation under torch.profiler, its prefill and first round outside the profile: the GPU span of the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import random_9b_engine  # noqa: E402
 from profile_9b import _kernel_rows, _short  # noqa: E402
 
-from engine import EngineSettings  # noqa: E402
+from engine import Engine, EngineSettings  # noqa: E402
 
 PROMPT = list(range(100, 164))
 
@@ -36,10 +39,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--gemm", default="auto")
+    ap.add_argument("--gemm", default="auto", help="gemm modes, comma list, each measured in turn")
+    ap.add_argument("--model", default=None, help="a model folder (bf16 on cuda) instead of the 9B-like model")
     a = ap.parse_args()
-    eng = random_9b_engine()
-    eng.model.set_gemm(a.gemm)
+    eng = Engine.load(Path(a.model), device="cuda", dtype="bfloat16") if a.model else random_9b_engine()
+    for gemm in a.gemm.split(","):
+        with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:  # auto measures, as on a new GPU
+            eng.model.set_gemm(gemm, cache_dir=cache)
+        print(f"== gemm {gemm}: {a.n} tokens, target-only ==")
+        measure(eng, a)
+        if eng.model.gemm_choices:
+            print("auto's choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
+    eng.close()
+    return 0
+
+
+def measure(eng: Engine, a: argparse.Namespace) -> None:
     s = EngineSettings(speculative=False, plan_pool=8)
     sess = eng.new_session()
     eng.generate(PROMPT, 16, s, sess)
@@ -87,8 +102,14 @@ def main() -> int:
         print(
             f"  {k:<70} {len(v):>5} gaps, mean {statistics.mean(v):8.1f} us, max {max(v):8.1f}, {sum(v) / n_rounds:7.1f} us/round"
         )
-    eng.close()
-    return 0
+    own: dict[str, list[float]] = defaultdict(list)
+    for b, e, name in dec:
+        own[_short(name)].append(e - b)
+    print("kernels by their summed spans:")
+    for k, v in sorted(own.items(), key=lambda kv: -sum(kv[1]))[:16]:
+        print(
+            f"  {k:<40} {len(v) / n_rounds:6.1f} a round, mean {statistics.mean(v):7.2f} us, {sum(v) / n_rounds:7.1f} us/round"
+        )
 
 
 if __name__ == "__main__":
