@@ -407,9 +407,9 @@ class GemvProducts:
         # Read into every round's run stats: rebuilt only when a choice changed (the dicts' contents are the key,
         # compared in C; building the labels was ~20 us of host time a round, which a launch-bound model's decode
         # waits on)
-        key = (dict(self.choices), dict(self.fused), dict(self.mlp_choices))
-        if self._labels is None or self._labels[0] != key:
-            self._labels = (key, self._build_labels())
+        live = (self.choices, self.fused, self.mlp_choices)
+        if self._labels is None or self._labels[0] != live:  # the live dicts against copies: no copy a round
+            self._labels = (tuple(dict(d) for d in live), self._build_labels())
         return dict(self._labels[1])
 
     def _build_labels(self) -> dict[str, str]:
