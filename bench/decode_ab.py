@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import QWEN3_NEXT_RATES, random_9b_engine  # noqa: E402
+from timing import set_gemm_fresh  # noqa: E402
 
 from engine import Engine, EngineSettings  # noqa: E402
 
@@ -176,8 +177,7 @@ def nine_b(a: argparse.Namespace) -> None:
 
 
 def nine_b_auto(eng: Engine, a: argparse.Namespace, target: EngineSettings) -> None:
-    with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-        eng.model.set_gemm("auto", cache_dir=cache)
+    set_gemm_fresh(eng, "auto")
     if a.norm_ab:
         norm_ab(eng, a)
     if a.one_launch_ab:
@@ -495,8 +495,7 @@ def bundled(a: argparse.Namespace) -> None:
     spec = EngineSettings(draft_depth=5, chain=True, plan_pool=8)
     for gemm in ("cublas", "auto") if a.rule_ab else ("cublas",):
         if gemm != "cublas":
-            with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-                tiny.model.set_gemm(gemm, cache_dir=cache)
+            set_gemm_fresh(tiny, gemm)
         for fused in (True, False, True, False) if a.rule_ab and gemm != "cublas" else (True,):
             tiny.model.fuse_rule = fused
             tag = "" if gemm == "cublas" else f" [gemm {gemm}, in_proj + step: {'one launch' if fused else 'two'}]"
@@ -510,8 +509,7 @@ def bundled(a: argparse.Namespace) -> None:
     if a.boundary_ab:
         boundary_ab(tiny, a, target, "bundled")
     if a.mlp_ab:
-        with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-            tiny.model.set_gemm("auto", cache_dir=cache)
+        set_gemm_fresh(tiny, "auto")
         mlp_ab(tiny, a, "bundled")
     if a.rule_ab or a.mlp_ab:
         print("bundled auto's choices: " + ", ".join(f"{k} {v}" for k, v in tiny.model.gemm_choices.items()))
@@ -524,8 +522,7 @@ def gemm_ab(eng: Engine, a: argparse.Namespace, runs) -> None:
     first: dict[str, list[int]] = {}
     for _ in range(3):
         for gemm in ("cublas", "auto"):
-            with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-                eng.model.set_gemm(gemm, cache_dir=cache)
+            set_gemm_fresh(eng, gemm)
             for label, settings in runs:
                 tps, tokens = median_tps(eng, settings, a.n, a.reps)
                 same = first.setdefault(label, tokens) == tokens

@@ -48,7 +48,7 @@ from engine.errors import EngineError  # noqa: E402
 from engine.loader import FP32_SUFFIXES, expected_shapes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import copy_bandwidth  # noqa: E402
+from timing import copy_bandwidth, set_gemm_fresh  # noqa: E402
 
 LINES: list[str] = []
 
@@ -675,8 +675,7 @@ def section_overlap(model_dir: Path, n: int, reps: int = 5) -> None:
     del eng
     torch.cuda.empty_cache()
     eng = random_9b_engine(mtp=True)  # a draft head for the speculative cell (target-only rounds never run it)
-    with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-        eng.model.set_gemm("auto", cache_dir=cache)
+    set_gemm_fresh(eng, "auto")
     prompt = list(range(100, 164))
     measure(eng, "9B-like target-only", EngineSettings(speculative=False, plan_pool=8), prompt, 256)
     synthetic = EngineSettings(draft_depth=3, chain=True, plan_pool=16, synthetic_rates=QWEN3_NEXT_RATES)

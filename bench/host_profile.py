@@ -14,10 +14,12 @@ import cProfile
 import io
 import pstats
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import set_gemm_fresh  # noqa: E402
 
 from engine import Engine, EngineSettings  # noqa: E402
 
@@ -39,8 +41,7 @@ def main() -> int:
         else EngineSettings(speculative=False, plan_pool=8)
     )
     for gemm in a.gemm.split(","):
-        with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
-            eng.model.set_gemm(gemm, cache_dir=cache)
+        set_gemm_fresh(eng, gemm)
         sess = eng.new_session()
         eng.generate(PROMPT, 16, s, sess)  # every plan captured
         sess.reset()

@@ -1,10 +1,12 @@
 """GPU timing shared by the bench scripts: CUDA-event timing of eager calls, of calls replayed from a
 captured graph, and the device-copy bandwidth the bandwidth figures are measured against.
-Every function returns seconds (per call, median over `reps`)."""
+Every timing function returns seconds (per call, median over `reps`). Also set_gemm_fresh: a gemm mode set with an
+autotune cache of its own."""
 
 from __future__ import annotations
 
 import statistics
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -74,3 +76,10 @@ def kernel_times(prof) -> dict[str, list[float]]:
         row[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         row[1] += 1
     return by_name
+
+
+def set_gemm_fresh(eng, mode: str) -> None:
+    """`eng`'s gemm `mode` set with an autotune cache of its own, deleted after: "auto" measures its choices from
+    scratch, as on a new GPU, and never reads or writes the user's cache."""
+    with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:
+        eng.model.set_gemm(mode, cache_dir=cache)

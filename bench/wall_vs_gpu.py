@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench import random_9b_engine  # noqa: E402
 from profile_9b import _kernel_rows, _short  # noqa: E402
+from timing import set_gemm_fresh  # noqa: E402
 
 from engine import Engine, EngineSettings  # noqa: E402
 
@@ -44,8 +44,7 @@ def main() -> int:
     a = ap.parse_args()
     eng = Engine.load(Path(a.model), device="cuda", dtype="bfloat16") if a.model else random_9b_engine()
     for gemm in a.gemm.split(","):
-        with tempfile.TemporaryDirectory(prefix="specdeck-gemm-") as cache:  # auto measures, as on a new GPU
-            eng.model.set_gemm(gemm, cache_dir=cache)
+        set_gemm_fresh(eng, gemm)
         print(f"== gemm {gemm}: {a.n} tokens, target-only ==")
         measure(eng, a)
         if eng.model.gemm_choices:
