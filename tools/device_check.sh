@@ -8,6 +8,8 @@
 #   real     9B-real, 512 tokens (~2.5 min)      table    the README's bundled table, sections a,b,c
 #   engine   the engine's GPU tests only (~1.3 min)
 #   bw       issue 20's record: copy bandwidth, the gemv table per 9B shape, the deferred next norm's A/B (~4 min)
+#   profile  issue 20's launches and GPU-busy time per 9B-like token, cuBLAS beside auto (profile_9b --timeline)
+#   bundled  issue 20's "bundled not slower": the bundled model, gemm cuBLAS against auto, interleaved (~1.5 min)
 # Two GPUs (nvidia-h200-x2): python3 -m pytest -q -m gpu tests/test_tensor_parallel.py tests/test_sampling_gpu.py -k two
 #   and bash bench/run_multi_gpu.sh $OUT/multi-gpu.txt
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.device-site
@@ -41,8 +43,10 @@ for part in "${parts[@]}"; do
     bw)
         timeout 150 python3 bench/gpu_bench.py --sections copy,gemv-table --out $OUT/gemv-table.txt 2>&1 | grep -v -i warn | tail -30
         timeout 150 python3 bench/decode_ab.py --only 9b --defer-next-ab --n 128 --reps 2 2>&1 | grep -v -i warn | tail -12 ;;
+    profile) timeout 200 python3 bench/profile_9b.py --timeline --gemm cublas,auto 2>&1 | grep -v -i warn | tee $OUT/profile-9b.txt | tail -30 ;;
+    bundled) timeout 150 python3 bench/decode_ab.py --only bundled --gemm-ab --n 512 --reps 3 2>&1 | grep -v -i warn | tee $OUT/bundled-ab.txt | tail -16 ;;
     real) timeout 240 python3 bench/gpu_bench.py --sections real --n 512 --out $OUT/real.txt 2>&1 | grep -v -i warn | tail -30 ;;
-    *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table, real or bw" ;;
+    *) echo "unknown part '$part': use tests, engine, ctx, auto, overlap, table, real, bw, profile or bundled" ;;
     esac
 done
 el done
