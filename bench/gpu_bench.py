@@ -443,13 +443,12 @@ def section_pdl(model_dir: Path, n: int) -> None:
 
     eng = random_9b_engine()
     target = EngineSettings(speculative=False, plan_pool=8)
-    cache = tempfile.mkdtemp(prefix="specdeck-gemm-")
     for mode in ("cublas", "auto"):
-        eng.model.set_gemm(mode, cache_dir=cache)
+        set_gemm_fresh(eng, mode)
         row(f"9B-like target-only, gemm {mode}", *measure(eng, list(range(100, 164)), target))
     # auto measured with PDL on (its choices timed in graphs with PDL's edges, as the plans will run them)
     with pdl_captures(True):
-        eng.model.set_gemm("auto", cache_dir=tempfile.mkdtemp(prefix="specdeck-gemm-pdl-"))
+        set_gemm_fresh(eng, "auto")
     row("9B-like target-only, auto (PDL-tuned)", *measure(eng, list(range(100, 164)), target))
     say("auto (PDL-tuned) choices: " + ", ".join(f"{k} {v}" for k, v in eng.model.gemm_choices.items()))
     # the fused projection + residual add + norm (Model.proj_add_norm) off vs on, gemm auto, PDL off
@@ -460,7 +459,6 @@ def section_pdl(model_dir: Path, n: int) -> None:
     say(
         f"{'9B-like auto: fused add+norm off/on':<34} {off:>8.1f} {on_:>8.1f} {on_ / off:>6.3f}x {str(same_off and same_on):>11}"
     )
-    shutil.rmtree(cache, ignore_errors=True)
     del eng
     torch.cuda.empty_cache()
     small = Engine.load(model_dir, device="cuda", dtype="bfloat16")
